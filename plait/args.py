@@ -1,0 +1,162 @@
+"""ServerArgs: the one frozen dataclass of runtime options.
+
+Resolved once at launch and passed down; CLI flags (`plait serve --help`) and the keyword
+arguments of `plait.Engine` / `plait.Runtime` derive from its fields (SGLang's names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashattn")
+GRAMMAR_BACKENDS = ("xgrammar", "outlines")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
+    meta = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    if flag:
+        meta["flag"] = flag
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _opt(
+        None,
+        "Hugging Face model directory or hub name; default: plait's embedded tiny model",
+        flag="--model",
+    )
+    tokenizer_path: str | None = _opt(None, "tokenizer directory (default: the model's)")
+    served_model_name: str | None = _opt(None, "model name reported by the API (default: path)")
+    host: str = _opt("127.0.0.1", "HTTP host to bind")
+    port: int = _opt(30000, "HTTP port to bind")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
+    dtype: str = _opt("auto", "weight/activation dtype (auto: float32 on CPU, bfloat16 on CUDA)", DTYPES)
+    device: str = _opt("auto", "cpu, cuda, or auto")
+    context_length: int | None = _opt(None, "maximum context length (default: from the model config)")
+    max_running_requests: int = _opt(64, "maximum requests decoded together")
+    max_queued_requests: int = _opt(4096, "waiting requests beyond this get HTTP 429")
+    max_total_tokens: int | None = _opt(
+        None, "KV pool size in tokens (default: derived from --mem-fraction-static)"
+    )
+    mem_fraction_static: float = _opt(
+        0.25, "fraction of free memory (RAM on CPU, GPU memory on CUDA) given to the KV pool"
+    )
+    chunked_prefill_size: int = _opt(2048, "maximum tokens prefilled in one step (chunked prefill)")
+    disable_radix_cache: bool = _opt(False, "turn off prefix reuse (same interface, no sharing)")
+    schedule_policy: str = _opt("lpm", "lpm: longest prefix match first; fcfs", SCHEDULE_POLICIES)
+    attention_backend: str = _opt("auto", "attention kernels (auto: triton on CUDA, torch on CPU)", ATTENTION_BACKENDS)
+    disable_cuda_graph: bool = _opt(False, "do not capture CUDA graphs for decode")
+    cuda_graph_max_bs: int = _opt(64, "largest decode batch captured in a CUDA graph")
+    grammar_backend: str = _opt("xgrammar", "constrained-decoding backend", GRAMMAR_BACKENDS)
+    grammar_compile_timeout: float = _opt(5.0, "seconds before a constraint compile fails the request")
+    grammar_cache_dir: str | None = _opt(None, "persist compiled grammars here (survives restarts)")
+    disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
+    random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
+    num_threads: int | None = _opt(None, "torch CPU threads in the scheduler (default: all cores)")
+    stream_interval: int = _opt(1, "send streamed tokens every N decode steps")
+    log_level: str = _opt("info", "logging level", LOG_LEVELS)
+    ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: private tmp)")
+
+    def __post_init__(self) -> None:
+        checks = {
+            "schedule_policy": SCHEDULE_POLICIES,
+            "attention_backend": ATTENTION_BACKENDS,
+            "grammar_backend": GRAMMAR_BACKENDS,
+            "dtype": DTYPES,
+            "log_level": LOG_LEVELS,
+        }
+        for name, allowed in checks.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("max_running_requests", "max_queued_requests", "chunked_prefill_size", "stream_interval"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens: must be >= 16, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction_static <= 0.95:
+            raise ValueError(f"mem_fraction_static: must be in (0, 0.95], got {self.mem_fraction_static}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError("grammar_compile_timeout: must be > 0")
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Keyword arguments as `plait.Engine(...)` takes them; an unknown name is a TypeError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown server argument {unknown[0]!r} (known: {', '.join(sorted(known))})"
+            )
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def resolved_model_path(self) -> str:
+        if self.model_path is not None:
+            return self.model_path
+        from plait.runtime.default_model import default_model_path
+
+        return str(default_model_path())
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model_path or "plait-tiny"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ----------------------------------------------------------------- CLI
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
+            if f.type in ("bool", bool):
+                kwargs["action"] = "store_true"
+                kwargs["default"] = f.default
+            else:
+                kwargs["type"] = _cli_type(f.type)
+                kwargs["default"] = f.default
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+                kwargs["help"] += f" (default: {f.default})"
+            names = [flag]
+            if flag == "--model":
+                names.append("--model-path")
+            parser.add_argument(*names, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _cli_type(annotation: str) -> Any:
+    text = str(annotation)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def default_torch_threads() -> int:
+    return max(1, os.cpu_count() or 1)

@@ -1,0 +1,56 @@
+"""Entry point of plait's child processes: `python -m plait.frontend.child ROLE CONFIG_JSON FD`.
+
+Children are started with subprocess rather than multiprocessing so that a user's script is
+never re-imported (no `if __name__ == "__main__"` requirement) and nothing is forked from a
+process whose threads are running. Readiness (or the start-up error) is written as one JSON
+document to the inherited pipe FD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from plait.args import ServerArgs
+
+
+class ReadyPipe:
+    """The child's end of the readiness pipe (the `send`/`close` used by the process mains)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def send(self, info: dict) -> None:
+        os.write(self.fd, json.dumps(info).encode())
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def main() -> None:
+    role, config, fd = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    ready = ReadyPipe(fd)
+    if role == "scheduler":
+        from plait.runtime.scheduler_process import run_scheduler_process
+
+        args = ServerArgs(**config["args"])
+        run_scheduler_process(args, config["model_path"], config["input"], config["output"], ready)
+    elif role == "detokenizer":
+        from plait.frontend.detokenizer import run_detokenizer_process
+
+        run_detokenizer_process(config["tokenizer_path"], config["input"], config["output"], ready)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+def args_to_json(args: ServerArgs) -> dict:
+    return dataclasses.asdict(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The constraint interface: GrammarBackend.compile(kind, spec) -> CompiledGrammar -> Matcher.
+
+Kinds: "json_schema" (canonical JSON text), "json_object" (spec ""), "regex", "ebnf",
+"choices" (JSON list of strings). A constraint the backend cannot enforce exactly raises
+GrammarError naming the unsupported feature; nothing is ever silently weakened.
+
+Token masks are int32 bitmasks [batch, ceil(vocab_size / 32)], bit j of word w allowing
+token 32 * w + j; `apply_token_bitmask` applies a whole batch's masks in one call.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices")
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled or is not supported (HTTP 400 for that request)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Matcher(ABC):
+    """State of one request's constraint while it decodes."""
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) if the token is not allowed."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-next-token mask into bitmask[row] (EOS allowed iff can terminate)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once the constraint has accepted EOS (the output is complete)."""
+
+    @abstractmethod
+    def can_terminate(self) -> bool:
+        """True if the output so far is a complete match (EOS would be accepted now)."""
+
+    @abstractmethod
+    def find_jump_forward_string(self) -> str:
+        """The text every valid continuation must start with ('' if none is forced)."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens."""
+
+    @abstractmethod
+    def copy(self) -> Matcher:
+        """An independent matcher in the same state (for n > 1 and forks)."""
+
+
+class CompiledGrammar(ABC):
+    @abstractmethod
+    def matcher(self) -> Matcher: ...
+
+
+class GrammarBackend(ABC):
+    """Compiles constraints for one tokenizer/vocabulary."""
+
+    name: str
+
+    @abstractmethod
+    def compile(self, kind: str, spec: str) -> CompiledGrammar: ...
+
+    @classmethod
+    @abstractmethod
+    def supported_features(cls) -> dict:
+        """What this backend enforces, for /get_server_info (kinds, JSON-schema keywords, ...)."""
+
+
+def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [B, V] (in place): tokens whose bit is 0 get -inf. One call for the whole batch."""
+    bsz, vocab = logits.shape
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool()  # [B, W, 32]
+    allowed = allowed.reshape(bsz, -1)[:, :vocab]
+    logits.masked_fill_(~allowed, float("-inf"))

@@ -1,0 +1,101 @@
+"""Torch reference attention over the KV pool: the CPU path and the oracle for other kernels."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from plait.kernels.base import AttentionBackend, AttentionMetadata, ForwardMode
+
+if TYPE_CHECKING:
+    from plait.radix_cache.kv_pool import KVPool
+
+
+def store_kv_reference(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    # k_buffer: [num_slots, kv_heads, head_dim]; loc: [T]; k: [T, kv_heads, head_dim]
+    k_buffer[loc] = k.to(k_buffer.dtype)
+    v_buffer[loc] = v.to(v_buffer.dtype)
+
+
+def extend_attention_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float,
+) -> torch.Tensor:
+    """q: [T, H, D] -> [T, H, D]; K/V read from the pool (already holding the new tokens)."""
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_buffer.shape[1]
+    group = num_heads // num_kv_heads
+    start = 0
+    for i in range(meta.batch_size):
+        ext, seq, pre = meta.extend_lens_cpu[i], meta.seq_lens_cpu[i], meta.prefix_lens_cpu[i]
+        slots = meta.req_to_token[meta.req_pool_indices[i], :seq].long()
+        k = k_buffer[slots].to(q.dtype)  # [S, Hkv, D]
+        v = v_buffer[slots].to(q.dtype)
+        qi = q[start : start + ext]  # [E, H, D]
+        # token at row r sits at absolute position pre + r and sees keys 0..pre + r
+        q_pos = torch.arange(pre, pre + ext, device=q.device)[:, None]
+        k_pos = torch.arange(seq, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # [E, S]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qi.transpose(0, 1),  # [H, E, D]
+            k.transpose(0, 1).repeat_interleave(group, dim=0),  # [H, S, D]
+            v.transpose(0, 1).repeat_interleave(group, dim=0),
+            attn_mask=mask,
+            scale=scaling,
+        )
+        out[start : start + ext] = o.transpose(0, 1)
+        start += ext
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float,
+) -> torch.Tensor:
+    """q: [B, H, D] (one token per request) -> [B, H, D], padded-batch attention."""
+    kv_idx, valid = _decode_gather_index(meta)
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_heads // num_kv_heads
+    k = k_buffer[kv_idx].to(q.dtype)  # [B, L, Hkv, D]
+    v = v_buffer[kv_idx].to(q.dtype)
+    qg = q.view(bsz, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scaling  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
+    return out.reshape(bsz, num_heads, head_dim)
+
+
+def _decode_gather_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    cached = meta.cache.get("decode_gather")
+    if cached is None:
+        max_len = meta.max_seq_len
+        kv_idx = meta.req_to_token[meta.req_pool_indices, :max_len].long()  # [B, L]
+        pos = torch.arange(max_len, device=kv_idx.device)[None, :]
+        valid = pos < meta.seq_lens[:, None].to(kv_idx.device)
+        kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
+        cached = meta.cache["decode_gather"] = (kv_idx, valid)
+    return cached
+
+
+class TorchAttnBackend(AttentionBackend):
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.mode is ForwardMode.DECODE:
+            _decode_gather_index(meta)
+
+    def forward(self, q, k, v, layer_id: int, kv_pool: KVPool, meta: AttentionMetadata):
+        k_buffer, v_buffer = kv_pool.k_buffer[layer_id], kv_pool.v_buffer[layer_id]
+        store_kv_reference(k_buffer, v_buffer, meta.out_cache_loc, k, v)
+        if meta.mode is ForwardMode.DECODE:
+            return decode_attention_reference(q, k_buffer, v_buffer, meta, self.scaling)
+        return extend_attention_reference(q, k_buffer, v_buffer, meta, self.scaling)

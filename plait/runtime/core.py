@@ -1,0 +1,119 @@
+"""Core scheduler state: Req (one request) and Batch (the requests of one forward)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from plait.kernels.base import ForwardMode
+from plait.sampling import SamplingParams
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position whose logprob is returned (-1: none)
+    top_logprobs_num: int = 0
+    stream: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    # KV state: positions [0, kv_len) of all_ids have KV in req_to_token[req_pool_idx];
+    # the first prefix_len of them are shared from the radix tree (locked at last_node).
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    prefix_indices: torch.Tensor = _EMPTY
+    last_node: Any = None
+    cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    admitted: bool = False
+
+    grammar: Any = None  # Matcher, once compiled
+    forced_ids: list[int] = field(default_factory=list)  # grammar-forced tokens not yet emitted
+    num_forced_tokens: int = 0
+    finished_reason: dict[str, Any] | None = None
+    sent_output_len: int = 0  # output tokens already sent to the detokenizer
+
+    # logprobs accumulated since the last send
+    output_token_logprobs: list[list[Any]] = field(default_factory=list)
+    output_top_logprobs: list[list[list[Any]]] = field(default_factory=list)
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[list[list[Any]]] | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        assert self.input_ids, "empty input_ids"
+        if self.return_logprob and self.logprob_start_len >= 0:
+            self.input_token_logprobs = []
+            self.input_top_logprobs = []
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def pending_len(self) -> int:
+        """Tokens whose KV still has to be computed before the next sample."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def prefix_len(self) -> int:
+        return int(self.prefix_indices.numel())
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.sampling.max_new_tokens - len(self.output_ids))
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.input_token_logprobs is not None
+
+    def input_logprob_limit(self) -> int:
+        """Longest prompt prefix that may come from the cache: input logprobs need the logits
+        at position logprob_start_len - 1 to be computed."""
+        if not self.wants_input_logprobs:
+            return len(self.input_ids) - 1
+        return max(0, min(self.logprob_start_len - 1, len(self.input_ids) - 1))
+
+    def finish(self, kind: str, **extra: Any) -> None:
+        if self.finished_reason is None:
+            self.finished_reason = {"type": kind, **extra}
+
+
+@dataclass
+class Batch:
+    """The requests of one forward and the slice of each one's tokens it computes."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]  # new tokens of each request in this forward
+    # whether each request samples a token after this forward (False for a non-final chunk)
+    sample: list[bool]
+
+    def __post_init__(self) -> None:
+        assert len(self.reqs) == len(self.extend_lens) == len(self.sample)
+        assert all(n > 0 for n in self.extend_lens)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)

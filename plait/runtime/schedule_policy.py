@@ -1,0 +1,107 @@
+"""Which waiting requests join the next prefill batch, and in what order.
+
+lpm (longest prefix match first) keeps shared prefixes hot; fcfs serves in arrival order.
+Admission respects the prefill token budget (chunking the last request if needed), the
+running-request cap, and the KV memory reserved for the decode steps of running requests.
+A request whose prompt shares a long uncached prefix with one already in the batch waits one
+step, so that prefix is computed once and then hit in the cache (in-batch prefix sharing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.runtime.core import Req
+from plait.runtime.kv_manager import KVManager
+
+# beyond this many waiting requests lpm costs more than it saves; fall back to fcfs
+LPM_MAX_WAITING = 256
+# defer a request sharing at least this many uncached prompt tokens with one in the batch
+IN_BATCH_SHARE_MIN = 32
+# decode tokens reserved per running request are capped at this
+RESERVE_CAP = 256
+
+
+@dataclass
+class NewTokenRatio:
+    """Fraction of running requests' remaining max_new_tokens kept free for their decodes;
+    raised after a retraction, decayed while decoding goes well (as SGLang does)."""
+
+    value: float = 0.5
+    floor: float = 0.1
+    decay: float = 0.002
+
+    def on_retract(self) -> None:
+        self.value = min(1.0, self.value + 0.3)
+
+    def on_decode(self) -> None:
+        self.value = max(self.floor, self.value - self.decay)
+
+
+@dataclass
+class Admission:
+    reqs: list[Req] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    chunked: Req | None = None  # the request whose prompt continues in a later step
+
+
+def order_waiting(waiting: list[Req], policy: str, kv: KVManager) -> list[Req]:
+    if policy == "fcfs" or len(waiting) > LPM_MAX_WAITING or kv.cache.disable:
+        return list(waiting)
+    lens = {id(r): kv.match(r) for r in waiting}
+    return sorted(waiting, key=lambda r: -lens[id(r)])  # stable: ties stay in arrival order
+
+
+def decode_reserve(running: list[Req], ratio: float) -> int:
+    return int(sum(min(r.remaining_new_tokens, RESERVE_CAP) for r in running) * ratio)
+
+
+def _shared_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def admit(
+    ordered: list[Req],
+    kv: KVManager,
+    budget: int,
+    max_new_reqs: int,
+    reserve: int,
+) -> Admission:
+    """Admit requests from `ordered` (KV locked and allocated) until a limit is reached."""
+    out = Admission()
+    for req in ordered:
+        if budget <= 0 or len(out.reqs) >= max_new_reqs:
+            break
+        if _shares_with_batch(req, out.reqs, kv):
+            continue
+        if not kv.admit(req):
+            break
+        ext = req.pending_len
+        chunk = min(ext, budget)
+        own_reserve = min(req.remaining_new_tokens, RESERVE_CAP) if chunk == ext else 0
+        if kv.available < chunk + reserve + own_reserve or not kv.alloc(req, chunk):
+            kv.release(req)
+            break
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = req.kv_len
+        reserve += own_reserve
+        out.reqs.append(req)
+        out.extend_lens.append(chunk)
+        budget -= chunk
+        if chunk < ext:
+            out.chunked = req
+            break
+    return out
+
+
+def _shares_with_batch(req: Req, batch: list[Req], kv: KVManager) -> bool:
+    if kv.cache.disable or not batch:
+        return False
+    cached = kv.match(req)
+    ids = req.all_ids
+    return any(_shared_len(ids, other.all_ids) - cached >= IN_BATCH_SHARE_MIN for other in batch)
