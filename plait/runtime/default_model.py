@@ -62,7 +62,7 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 # Bump when the build procedure changes in a way that alters the produced files.
-_BUILD_VERSION = 1
+_BUILD_VERSION = 2
 # Target std of the final hidden state . unembedding row product, i.e. of the logits.
 _LOGIT_STD = 3.0
 
@@ -432,6 +432,10 @@ def _reinit_weights(model, spec: CheckpointSpec) -> None:
                 values = 0.02 * torch.randn(p.shape, generator=gen)
             else:
                 values = _init_std(name, tuple(p.shape), spec) * torch.randn(p.shape, generator=gen)
+            if "embed_tokens" in name or "lm_head" in name:
+                # padding rows past the tokenizer are never trained in a real checkpoint: zero
+                # them so their logit (0) never beats a real token's
+                values[spec.vocab + len(SPECIAL_TOKENS) :] = 0.0
             p.copy_(values.to(p.dtype))
 
 

@@ -21,7 +21,7 @@ from plait.runtime.models import ModelConfig, load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
-MAX_DEFAULT_POOL_TOKENS = 1 << 20
+MAX_DEFAULT_POOL_TOKENS = 1 << 19
 
 
 @dataclass
@@ -119,7 +119,7 @@ class ModelRunner:
         self.attn_backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
         if len(logit_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(logit_rows, device=hidden.device)]
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)]
         logits = self.model.compute_logits(hidden)
         return ForwardOutput(logits.cpu() if logits.device.type != "cpu" else logits, logit_rows)
 

@@ -1,0 +1,118 @@
+"""Engine behaviour: bad input, cached tokens, seeds across batches, stop conditions, n > 1,
+streaming, abort-free shutdown."""
+
+from __future__ import annotations
+
+import pytest
+
+import plait
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    with plait.Engine(tiny_llama, max_total_tokens=8192) as eng:
+        yield eng
+
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="x " * 5000), "prompt"),
+        (dict(prompt="hi", sampling_params={"max_new_tokens": -1}), "max_new_tokens"),
+        (dict(prompt="hi", sampling_params={"max_new_tokens": 2.5}), "max_new_tokens"),
+        (dict(prompt="hi", sampling_params={"temperature": -0.1}), "temperature"),
+        (dict(prompt="hi", sampling_params={"top_p": 0.0}), "top_p"),
+        (dict(prompt="hi", sampling_params={"top_p": 1.5}), "top_p"),
+        (dict(prompt="hi", sampling_params={"bogus": 1}), "bogus"),
+        (dict(prompt="hi", sampling_params={"max_new_tokens": 5000}), "max_new_tokens"),
+        (dict(input_ids=[1, 2, 10**7]), "input_ids"),
+    ],
+)
+def test_bad_input_is_a_value_error_naming_the_field(engine, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        engine.generate(**kwargs)
+    assert engine.generate("still serving", GREEDY)["meta_info"]["completion_tokens"] == 8
+
+
+def test_unknown_server_argument():
+    with pytest.raises(TypeError, match="no_such_flag"):
+        plait.Engine(no_such_flag=True)
+
+
+def test_cached_tokens_of_a_shared_prefix(engine):
+    prefix = list(range(100, 600))  # 500 tokens
+    a = engine.generate(input_ids=prefix + [1, 2, 3], sampling_params=GREEDY)
+    b = engine.generate(input_ids=prefix + [4, 5, 6], sampling_params=GREEDY)
+    assert a["meta_info"]["prompt_tokens"] == 503
+    assert b["meta_info"]["cached_tokens"] >= 500
+
+
+def test_seeded_sampling_is_independent_of_batch(engine):
+    sp = {"max_new_tokens": 12, "temperature": 1.0, "seed": 1234}
+    alone = engine.generate("Once upon a time", sp)["output_ids"]
+    batch = engine.generate(
+        ["Other prompt one", "Once upon a time", "and another, longer, prompt here"],
+        [{"max_new_tokens": 5, "temperature": 0.8}, sp, {"max_new_tokens": 20, "temperature": 1.0}],
+    )
+    assert batch[1]["output_ids"] == alone
+
+
+def test_n_samples_share_the_prompt(engine):
+    prompt = "word " * 200
+    outs = engine.generate(prompt, {"max_new_tokens": 6, "temperature": 1.0, "n": 3, "seed": 5})
+    assert len(outs) == 3
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) >= 2 * 190
+
+
+def test_stop_strings_are_trimmed_and_stream_matches(engine):
+    full = engine.generate("The answer is", {"max_new_tokens": 16, "temperature": 0.0})
+    text = full["text"]
+    stop = text[5:8]
+    cut = engine.generate("The answer is", {"max_new_tokens": 16, "temperature": 0.0, "stop": stop})
+    assert cut["text"] == text[: text.find(stop)]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    chunks = list(engine.generate("The answer is", {"max_new_tokens": 16, "temperature": 0.0, "stop": stop}, stream=True))
+    assert "".join(c["text"] for c in chunks) == cut["text"]
+
+
+def test_stop_token_ids_and_min_new_tokens(engine):
+    base = engine.generate("Count", {"max_new_tokens": 10, "temperature": 0.0})
+    first = base["output_ids"][0]
+    out = engine.generate("Count", {"max_new_tokens": 10, "temperature": 0.0, "stop_token_ids": [first]})
+    assert out["output_ids"] == [first]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    out = engine.generate("Count", {"max_new_tokens": 10, "temperature": 0.0,
+                                    "stop_token_ids": [first], "min_new_tokens": 3})
+    assert len(out["output_ids"]) >= 3
+
+
+def test_input_logprobs_from_start_len(engine):
+    ids = list(range(200, 230))
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                          return_logprob=True, logprob_start_len=10, top_logprobs_num=3)
+    lps = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in lps] == ids[10:]
+    assert all(lp <= 0 for lp, _, _ in lps)
+    assert len(out["meta_info"]["input_top_logprobs"]) == 20
+    assert len(out["meta_info"]["output_top_logprobs"][0]) == 3
+
+
+def test_prefill_only_request(engine):
+    out = engine.generate(input_ids=list(range(50, 90)), sampling_params={"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_kv_returns_to_idle(engine):
+    engine.generate(["a", "b c", "d e f"], GREEDY)
+    info = engine.get_server_info()
+    assert info["kv_used"] == 0 and info["num_running"] == 0
+
+
+async def test_async_generate(engine):
+    out = await engine.async_generate("async prompt", GREEDY)
+    assert out["meta_info"]["completion_tokens"] == 8

@@ -1,0 +1,91 @@
+"""Sampler: support restriction (top-k/top-p/min-p), penalties, seeds, min tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from plait.runtime.core import Req
+from plait.runtime.sampler import Sampler, _restrict_support
+from plait.sampling import SamplingParams
+
+V = 10
+
+
+def req(**sp) -> Req:
+    return Req(rid="r", input_ids=[1, 2, 3], sampling=SamplingParams(**sp))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(3, V)
+    out = Sampler(V, (0,), 0)(logits.clone(), [req(temperature=0.0)] * 3, None)
+    assert out.next_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1, 0, 0, 0, 0, 0, 0]])
+    top_k = _restrict_support(probs.clone(), [req(top_k=2)])
+    assert (top_k[0, 2:] == 0).all() and torch.allclose(top_k[0, :2], torch.tensor([4 / 7, 3 / 7]))
+    # top_p=0.6: 0.4 < 0.6 so the token crossing the mass (0.3) is kept, 0.2 is not
+    top_p = _restrict_support(probs.clone(), [req(top_p=0.6)])
+    assert (top_p[0, :2] > 0).all() and (top_p[0, 2:] == 0).all()
+    # min_p=0.5: keep tokens with p >= 0.5 * 0.4 = 0.2
+    min_p = _restrict_support(probs.clone(), [req(min_p=0.5)])
+    assert (min_p[0, :3] > 0).all() and (min_p[0, 3:] == 0).all()
+    assert torch.allclose(min_p.sum(-1), torch.ones(1))
+
+
+def test_sampling_only_draws_from_the_support():
+    torch.manual_seed(0)
+    logits = torch.randn(1, V)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    s = Sampler(V, (), 0)
+    for seed in range(50):
+        r = req(temperature=1.0, top_k=3, seed=seed)
+        assert s(logits.clone(), [r], None).next_ids[0] in allowed
+
+
+def test_seed_is_independent_of_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(4, V)
+    s = Sampler(V, (), 0)
+    a = req(temperature=1.0, seed=42)
+    alone = s(logits[:1].clone(), [a], None).next_ids[0]
+    others = [req(temperature=0.7), req(temperature=1.0, seed=7), req(temperature=0.0)]
+    in_batch = s(torch.cat([logits[1:], logits[:1]]).clone(), others + [a], None).next_ids[-1]
+    assert alone == in_batch
+
+
+def test_penalties_change_distribution_as_specified():
+    s = Sampler(V, (), 0)
+    logits = torch.zeros(1, V)
+    logits[0, 5] = 2.0
+    r = req(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5)
+    r.output_ids = [5, 5, 3]
+    out = logits.clone()
+    s._apply_penalties(out, [r])
+    assert out[0, 5] == 2.0 - 2 * 1.0 - 0.5
+    assert out[0, 3] == -1.5
+    assert out[0, 0] == 0.0
+    rep = req(temperature=0.0, repetition_penalty=2.0)
+    out = torch.tensor([[4.0, -4.0, 1.0] + [0.0] * (V - 3)])
+    rep.input_ids = [0, 1]
+    s._apply_penalties(out, [rep])
+    assert out[0, :3].tolist() == [2.0, -8.0, 1.0]
+
+
+def test_min_new_tokens_blocks_eos_and_stop_ids():
+    s = Sampler(V, (9,), 0)
+    logits = torch.zeros(1, V)
+    logits[0, 9] = 10.0
+    logits[0, 8] = 9.0
+    r = req(temperature=0.0, min_new_tokens=2, max_new_tokens=4, stop_token_ids=[8])
+    assert s(logits.clone(), [r], None).next_ids[0] not in (8, 9)
+    r.output_ids = [1, 2]
+    assert s(logits.clone(), [r], None).next_ids[0] == 9
+
+
+def test_ids_beyond_the_tokenizer_are_never_sampled():
+    s = Sampler(V - 2, (), 0)
+    logits = torch.zeros(1, V)
+    logits[0, V - 1] = 100.0
+    assert s(logits, [req(temperature=0.0)], None).next_ids[0] < V - 2
