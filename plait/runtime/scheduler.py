@@ -319,7 +319,7 @@ class Scheduler:
         if to_sample:
             sub = logits[:n_sample][sample_idx] if len(sample_idx) != n_sample else logits[:n_sample]
             bitmask = self.constraints.bitmask(to_sample, logits.shape[1])
-            res = self.sampler(sub.clone(), to_sample, bitmask)
+            res = self.sampler(sub, to_sample, bitmask)  # masks in place: logits are fresh per step
             logprobs = res.logprobs
             new_tokens = {id(r): t for r, t in zip(to_sample, res.next_ids)}
         for k, req in enumerate(to_sample):

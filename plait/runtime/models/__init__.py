@@ -154,29 +154,52 @@ def load_model(path: str, cfg: ModelConfig, attn_backend, dtype: torch.dtype, de
 
 
 def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device: torch.device):
+    """Copy checkpoint tensors into the model, writing HF's separate q/k/v and gate/up
+    projections into their rows of the fused parameters."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
+    expected = _expected_checkpoint_names(model, params)
     loaded: set[str] = set()
     for file in _safetensor_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name not in params:
+                if name not in expected:
                     if "rotary_emb" in name or (name == "lm_head.weight" and model.lm_head is None):
                         continue
                     raise ValueError(f"checkpoint {path}: unexpected weight {name!r}")
+                target, rows = expected[name]
                 tensor = f.get_tensor(name)
-                if tensor.shape != params[name].shape:
+                dest = params[target] if rows is None else params[target][rows[0] : rows[1]]
+                if tensor.shape != dest.shape:
                     raise ValueError(
                         f"checkpoint {path}: weight {name} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(params[name].shape)}"
+                        f"expected {tuple(dest.shape)}"
                     )
                 with torch.no_grad():
-                    params[name].copy_(tensor.to(device=device, dtype=dtype))
+                    dest.copy_(tensor.to(device=device, dtype=dtype))
                 loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(expected) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path}: missing weights {missing[:5]}")
+
+
+def _expected_checkpoint_names(model, params) -> dict[str, tuple[str, tuple[int, int] | None]]:
+    """checkpoint tensor name -> (model parameter, (first row, end row) or None for all)."""
+    out: dict[str, tuple[str, tuple[int, int] | None]] = {}
+    stacked = getattr(model, "stacked_params", {})
+    for pname in params:
+        parts = pname.split(".")
+        fused = parts[-2] if len(parts) >= 2 else ""
+        shards = [(ck, idx) for ck, (fp, idx) in stacked.items() if fp == fused]
+        if not shards:
+            out[pname] = (pname, None)
+            continue
+        sizes = model.shard_sizes(fused)
+        for ck, idx in shards:
+            start = sum(sizes[:idx])
+            out[".".join(parts[:-2] + [ck, parts[-1]])] = (pname, (start, start + sizes[idx]))
+    return out
 
 
 def _safetensor_files(path: Path) -> list[Path]:

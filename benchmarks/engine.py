@@ -1,0 +1,141 @@
+"""Offline engine benchmark (issue 2): plait with the radix cache on and off vs Hugging Face
+transformers `generate` one request at a time, on the judge and decode workloads.
+
+    python -m benchmarks.engine [--model PATH] [--repeats 3] [--workloads judge,decode]
+
+Engines run in one process, alternated per repetition so machine drift hits all alike; each
+figure is the median of the repetitions. Writes benchmarks/results/engine.json and prints a
+markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import workloads as wl
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class PlaitEngine:
+    def __init__(self, name: str, model: str, **kwargs) -> None:
+        import plait
+
+        self.name = name
+        self.engine = plait.Engine(model, **kwargs)
+
+    def run(self, w: wl.Workload) -> int:
+        self.engine.flush_cache()  # every repetition starts cold
+        outs = self.engine.generate(
+            input_ids=w.prompts,
+            sampling_params={"max_new_tokens": w.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+        )
+        return sum(len(o["output_ids"]) for o in outs)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class HFOneAtATime:
+    def __init__(self, model: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.name = "transformers (one at a time)"
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def run(self, w: wl.Workload) -> int:
+        total = 0
+        for p in w.prompts:
+            g = self.model.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=w.max_new_tokens, min_new_tokens=w.max_new_tokens,
+                do_sample=False, pad_token_id=0,
+            )
+            total += g.shape[1] - len(p)
+        return total
+
+    def close(self) -> None:
+        pass
+
+
+def measure(engines, workloads, repeats: int) -> dict:
+    results: dict = {w.name: {e.name: [] for e in engines} for w in workloads}
+    for w in workloads:
+        for e in engines:  # warm-up (not timed)
+            e.run(wl.Workload(w.name, w.prompts[:2], 2, ""))
+        for r in range(repeats):
+            for e in engines if r % 2 == 0 else engines[::-1]:
+                start = time.perf_counter()
+                tokens = e.run(w)
+                secs = time.perf_counter() - start
+                results[w.name][e.name].append({"seconds": secs, "output_tokens": tokens})
+                print(f"  {w.name:7s} {e.name:32s} {secs:7.2f} s  {tokens} tokens", flush=True)
+    return results
+
+
+def summarize(results: dict, workloads) -> dict:
+    summary = {}
+    for w in workloads:
+        rows = {}
+        for name, runs in results[w.name].items():
+            secs = statistics.median(r["seconds"] for r in runs)
+            tokens = runs[0]["output_tokens"]
+            rows[name] = {"req_s": w.num_requests / secs, "out_tok_s": tokens / secs, "seconds": secs}
+        summary[w.name] = rows
+    return summary
+
+
+def markdown(summary: dict, base: str, others: list[str]) -> str:
+    lines = ["| workload | engine | req/s | out tok/s | plait (cache on) / this |", "|---|---|---|---|---|"]
+    for w, rows in summary.items():
+        ref = rows[base]["req_s"]
+        for name, r in rows.items():
+            ratio = "—" if name == base else f"{ref / r['req_s']:.2f}x"
+            lines.append(f"| {w} | {name} | {r['req_s']:.2f} | {r['out_tok_s']:.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: plait's embedded plait-tiny)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workloads", default="judge,decode")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    args = ap.parse_args(argv)
+    from plait.runtime.default_model import default_model_path
+    from plait.runtime.models import ModelConfig
+
+    model = args.model or str(default_model_path())
+    vocab = ModelConfig.from_dir(model).vocab_size
+    names = args.workloads.split(",")
+    workloads = [getattr(wl, n)(vocab) for n in names]
+    engines = [
+        PlaitEngine("plait (radix cache on)", model),
+        PlaitEngine("plait (radix cache off)", model, disable_radix_cache=True),
+    ]
+    if not args.no_hf:
+        engines.append(HFOneAtATime(model))
+    try:
+        results = measure(engines, workloads, args.repeats)
+    finally:
+        for e in engines:
+            e.close()
+    summary = summarize(results, workloads)
+    table = markdown(summary, "plait (radix cache on)", [])
+    RESULTS.mkdir(exist_ok=True)
+    out = {"model": model, "repeats": args.repeats, "threads": torch.get_num_threads(),
+           "workloads": {w.name: w.description for w in workloads}, "summary": summary, "runs": results}
+    (RESULTS / "engine.json").write_text(json.dumps(out, indent=1))
+    (RESULTS / "engine.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
