@@ -354,24 +354,84 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
-    if device.type != "cuda":  # the interpreter: fewer, larger blocks run faster
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """CUDA compute capability, or None where the kernels run under the interpreter."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+# GPU block sizes: chosen offline for sm_90 (tests/kernels/hopper_compile.py) as the largest
+# tiles that compile without register spills and with pipelined (cp.async) K/V loads.
+def extend_config(head_dim: int, capability: tuple[int, int] | None) -> ExtendConfig:
+    if capability is None:  # the interpreter: fewer, larger blocks run faster
         return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if capability < (8, 0):
+        return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
     if _block_d(head_dim) > 128:
-        return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=1)
-    if torch.cuda.get_device_capability(device)[0] >= 8:
-        warps = 8 if head_dim > 64 else 4
-        return ExtendConfig(block_m=128, block_n=64, num_warps=warps, num_stages=2)
-    return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
+        return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
-def decode_config(group: int, head_dim: int, device: torch.device) -> DecodeConfig:
+def decode_config(group: int, head_dim: int, capability: tuple[int, int] | None) -> DecodeConfig:
     # query heads of one kv head fill the rows of one dot (padded to 16), at most 64 per program
     block_h = min(64, max(_MIN_DOT, triton.next_power_of_2(group)))
-    if device.type != "cuda":
+    if capability is None:
         return DecodeConfig(block_n=32, block_h=block_h, num_warps=4, num_stages=1)
+    stages = 3 if capability >= (8, 0) else 1
     block_n = 32 if _block_d(head_dim) > 128 else 64
-    return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=2)
+    return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=stages)
+
+
+# Compile-time parameters of each kernel launch (constexprs, num_warps, num_stages), one
+# function per kernel so that the launchers and the offline sm_90 compile check agree.
+
+
+def store_kv_params(num_kv_heads: int, head_dim: int) -> dict:
+    return dict(
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+def extend_params(group: int, head_dim: int, dtype: torch.dtype, config: ExtendConfig) -> dict:
+    return dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        DOT_PRECISION=_dot_precision(dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def decode_stage1_params(
+    group: int, head_dim: int, dtype: torch.dtype, config: DecodeConfig
+) -> dict:
+    return dict(
+        GROUP=group,
+        HEAD_BLOCKS=triton.cdiv(group, config.block_h),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        DOT_PRECISION=_dot_precision(dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def decode_stage2_params(head_dim: int, num_kv_splits: int, config: DecodeConfig) -> dict:
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_N=config.block_n,
+        num_warps=4 if head_dim >= 128 else 1,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -393,7 +453,7 @@ def default_num_kv_splits(
     """Enough KV splits that stage 1 launches about four programs per SM, but never a split
     shorter than one block. Depends only on CPU-side sizes (no device sync)."""
     group = num_heads // num_kv_heads
-    config = config or decode_config(group, 0, device)
+    config = config or decode_config(group, 0, device_capability(device))
     max_useful = max(1, min(MAX_KV_SPLITS, triton.cdiv(max_seq_len, config.block_n)))
     if device.type != "cuda":
         return min(4, max_useful)
@@ -567,11 +627,7 @@ def store_kv(
         k, v, loc, k_buffer, v_buffer,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        **store_kv_params(num_kv_heads, head_dim),
     )  # fmt: skip
 
 
@@ -599,7 +655,7 @@ def extend_attention(
         )
     out = _check_out(out, q)
     head_dim = q.shape[2]
-    config = config or extend_config(head_dim, q.device)
+    config = config or extend_config(head_dim, device_capability(q.device))
     _check_block("block_m", config.block_m)
     _check_block("block_n", config.block_n)
     max_extend = max(meta.extend_lens_cpu, default=0)
@@ -614,14 +670,7 @@ def extend_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         meta.req_to_token.stride(0),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **extend_params(group, head_dim, q.dtype, config),
     )  # fmt: skip
     return out
 
@@ -653,7 +702,7 @@ def decode_attention(
     if any(s < 1 for s in meta.seq_lens_cpu):
         raise ValueError("decode needs seq_len >= 1 for every request (the new token included)")
     out = _check_out(out, q)
-    config = config or decode_config(group, head_dim, q.device)
+    config = config or decode_config(group, head_dim, device_capability(q.device))
     _check_block("block_n", config.block_n)
     _check_block("block_h", config.block_h)
     if num_kv_splits is None:
@@ -682,8 +731,7 @@ def decode_attention(
     _check_device("workspace", mid_lse, q.device)
     if batch == 0:
         return out
-    head_blocks = triton.cdiv(group, config.block_h)
-    grid1 = (batch, k_buffer.shape[1] * head_blocks, num_kv_splits)
+    grid1 = (batch, k_buffer.shape[1] * triton.cdiv(group, config.block_h), num_kv_splits)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, mid_o, mid_lse,
         meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
@@ -692,25 +740,13 @@ def decode_attention(
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         meta.req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group,
-        HEAD_BLOCKS=head_blocks,
-        HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim),
-        BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **decode_stage1_params(group, head_dim, q.dtype, config),
     )  # fmt: skip
     _decode_stage2_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, meta.seq_lens, num_kv_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_kv_splits),
-        BLOCK_N=config.block_n,
-        num_warps=4 if head_dim >= 128 else 1,
+        **decode_stage2_params(head_dim, num_kv_splits, config),
     )  # fmt: skip
     return out
 
@@ -722,6 +758,7 @@ __all__ = [
     "decode_attention",
     "decode_config",
     "decode_workspace",
+    "device_capability",
     "default_num_kv_splits",
     "extend_attention",
     "extend_config",
