@@ -277,6 +277,7 @@ class Scheduler:
         return victim
 
     # ------------------------------------------------------------------ running
+    @torch.inference_mode()
     def run_batch(self, batch: Batch) -> None:
         with self.timer("schedule"):
             rows, logprob_rows = self._logit_rows(batch)
