@@ -14,7 +14,7 @@ from plait.sampling import SamplingParams
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 
 
-@dataclass
+@dataclass(eq=False)  # requests are compared by identity (queue membership)
 class Req:
     rid: str
     input_ids: list[int]
