@@ -11,6 +11,18 @@ from plait.grammar.base import GrammarError, allocate_token_bitmask
 from plait.runtime.core import Req
 
 
+# start planning a closing once this few output tokens remain
+CLOSE_WINDOW = 48
+# tokens the closing planner may force early: free generation must not outgrow the plan
+CLOSE_MARGIN = 3
+# grammar-state expansions one closing search may use
+CLOSE_SEARCH_NODES = 4000
+# short texts from which a closing is assembled (punctuation, minimal values)
+# (tried in this order: closing punctuation first, then minimal values, then separators)
+_CLOSER_TEXTS = ['"}', "]}", "}}", '"]', "0}", "0]", '"', "}", "]", "0", '""', "[]", "{}",
+                 "null", "false", "true", "1", "a", ",", ":", '":', '",', " "]
+
+
 class ConstraintTracker:
     def __init__(self, args: ServerArgs, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         self.args = args
@@ -19,6 +31,7 @@ class ConstraintTracker:
         self.eos_ids = list(eos_ids)
         self._manager = None
         self._pending: list[tuple[Req, Any]] = []
+        self._closers: list[int] | None = None
 
     @property
     def manager(self):
@@ -107,3 +120,74 @@ class ConstraintTracker:
         if accepted:
             m.rollback(accepted)
         return ids[:accepted]
+
+    # ------------------------------------------------------------------ budget
+    def closing(self, req: Req) -> list[int]:
+        """Near max_new_tokens, the shortest token sequence (ending in EOS) that completes
+        the constraint, once it no longer fits with room to spare; else []. Forcing it keeps
+        JSON parseable when the budget runs out (finish_reason "stop", not a truncation)."""
+        m, remaining = req.grammar, req.remaining_new_tokens
+        if m is None or m.is_terminated() or remaining > CLOSE_WINDOW or not self.eos_ids:
+            return []
+        plan = self._plan_closing(m, remaining - 1)
+        if plan is None or len(plan) + 1 + CLOSE_MARGIN < remaining:
+            return []
+        return plan + [self._accepted_eos(m, plan)]
+
+    def _accepted_eos(self, m, plan: list[int]) -> int:
+        for tok in plan:
+            m.accept_token(tok)
+        try:
+            for eos in self.eos_ids:
+                if m.accept_token(eos):
+                    m.rollback(1)
+                    return eos
+        finally:
+            m.rollback(len(plan)) if plan else None
+        return self.eos_ids[0]
+
+    def _closer_ids(self) -> list[int]:
+        if self._closers is None:
+            ids = []
+            for text in _CLOSER_TEXTS:
+                enc = self.tokenizer.encode(text, add_special_tokens=False)
+                if len(enc) == 1 and enc[0] not in ids:
+                    ids.append(enc[0])
+            self._closers = ids
+        return self._closers
+
+    def _plan_closing(self, m, max_len: int) -> list[int] | None:
+        """Depth-first search, closers first, over forced text and closer tokens for a
+        sequence after which the matcher can terminate; None if none within max_len tokens
+        (or the node budget). Not always the shortest, but closing-first finds short ones."""
+        path: list[int] = []
+        return path if self._search(m, max_len, path, [CLOSE_SEARCH_NODES]) else None
+
+    def _search(self, m, depth: int, path: list[int], budget: list[int]) -> bool:
+        if m.can_terminate():
+            return True
+        if depth <= 0 or budget[0] <= 0:
+            return False
+        budget[0] -= 1
+        forced = m.find_jump_forward_string()
+        options = [self.tokenizer.encode(forced, add_special_tokens=False)] if forced else []
+        options += [[t] for t in self._closer_ids()]
+        for toks in options:
+            if len(toks) > depth:
+                continue
+            n = 0
+            for t in toks:
+                if not m.accept_token(t):
+                    break
+                n += 1
+            if n == len(toks):
+                path.extend(toks)
+                if self._search(m, depth - n, path, budget):
+                    m.rollback(n)
+                    return True
+                del path[-n:]
+            if n:
+                m.rollback(n)
+            if forced:
+                break  # forced text is the only way on
+        return False

@@ -364,7 +364,9 @@ class Scheduler:
                 return
         if req.forced_ids:
             return
-        follow = self.constraints.jump_forward(req, limit=req.remaining_new_tokens)
+        follow = self.constraints.closing(req) or self.constraints.jump_forward(
+            req, limit=req.remaining_new_tokens
+        )
         if not follow:
             return
         self.counters["forced_tokens"] += len(follow)
