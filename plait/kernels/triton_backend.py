@@ -10,12 +10,9 @@ import torch
 
 from plait.kernels.base import AttentionBackend, AttentionMetadata, ForwardMode
 from plait.kernels.triton_ops import (
-    DecodeConfig,
     decode_attention,
-    decode_config,
     decode_workspace,
     default_num_kv_splits,
-    device_capability,
     extend_attention,
     store_kv,
 )
@@ -29,7 +26,6 @@ class _DecodePlan:
     """What every layer of one decode forward shares: the split count and stage-1 buffers."""
 
     num_kv_splits: int
-    config: DecodeConfig
     workspace: tuple[torch.Tensor, torch.Tensor]  # ([B, H, S, D], [B, H, S]) fp32
 
 
@@ -56,15 +52,13 @@ class TritonAttnBackend(AttentionBackend):
         plan = meta.cache.get(self._plan_key)
         if plan is None:
             device = meta.req_to_token.device
-            group = self.num_heads // self.num_kv_heads
-            config = decode_config(group, self.head_dim, device_capability(device))
             splits = self.num_kv_splits or default_num_kv_splits(
-                meta.batch_size, self.num_heads, self.num_kv_heads, meta.max_seq_len, device, config
+                meta.batch_size, self.num_heads, self.num_kv_heads, meta.max_seq_len, device
             )
             workspace = decode_workspace(
                 meta.batch_size, self.num_heads, self.head_dim, splits, device
             )
-            plan = meta.cache[self._plan_key] = _DecodePlan(splits, config, workspace)
+            plan = meta.cache[self._plan_key] = _DecodePlan(splits, workspace)
         return plan
 
     def forward(
@@ -88,6 +82,5 @@ class TritonAttnBackend(AttentionBackend):
                 self.scaling,
                 plan.num_kv_splits,
                 workspace=plan.workspace,
-                config=plan.config,
             )
         return extend_attention(q, k_buffer, v_buffer, meta, self.scaling)

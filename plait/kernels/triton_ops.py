@@ -360,24 +360,34 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
 
 
 # GPU block sizes: chosen offline for sm_90 (tests/kernels/hopper_compile.py) as the largest
-# tiles that compile without register spills and with pipelined (cp.async) K/V loads.
-def extend_config(head_dim: int, capability: tuple[int, int] | None) -> ExtendConfig:
+# tiles that compile without register spills and with pipelined (cp.async) K/V loads. fp32 is
+# a correctness path (CPU tests, debugging), kept small rather than fast.
+def extend_config(
+    head_dim: int, dtype: torch.dtype, capability: tuple[int, int] | None
+) -> ExtendConfig:
     if capability is None:  # the interpreter: fewer, larger blocks run faster
         return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     if capability < (8, 0):
         return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units, hungry for registers
+        return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
     if _block_d(head_dim) > 128:
         return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
     return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
-def decode_config(group: int, head_dim: int, capability: tuple[int, int] | None) -> DecodeConfig:
+def decode_config(
+    group: int, head_dim: int, dtype: torch.dtype, capability: tuple[int, int] | None
+) -> DecodeConfig:
     # query heads of one kv head fill the rows of one dot (padded to 16), at most 64 per program
     block_h = min(64, max(_MIN_DOT, triton.next_power_of_2(group)))
     if capability is None:
         return DecodeConfig(block_n=32, block_h=block_h, num_warps=4, num_stages=1)
     stages = 3 if capability >= (8, 0) else 1
-    block_n = 32 if _block_d(head_dim) > 128 else 64
+    if dtype == torch.float32:
+        block_n = 16
+    else:
+        block_n = 32 if _block_d(head_dim) > 128 else 64
     return DecodeConfig(block_n=block_n, block_h=block_h, num_warps=4, num_stages=stages)
 
 
@@ -453,7 +463,7 @@ def default_num_kv_splits(
     """Enough KV splits that stage 1 launches about four programs per SM, but never a split
     shorter than one block. Depends only on CPU-side sizes (no device sync)."""
     group = num_heads // num_kv_heads
-    config = config or decode_config(group, 0, device_capability(device))
+    config = config or decode_config(group, 0, torch.bfloat16, device_capability(device))
     max_useful = max(1, min(MAX_KV_SPLITS, triton.cdiv(max_seq_len, config.block_n)))
     if device.type != "cuda":
         return min(4, max_useful)
@@ -655,7 +665,7 @@ def extend_attention(
         )
     out = _check_out(out, q)
     head_dim = q.shape[2]
-    config = config or extend_config(head_dim, device_capability(q.device))
+    config = config or extend_config(head_dim, q.dtype, device_capability(q.device))
     _check_block("block_m", config.block_m)
     _check_block("block_n", config.block_n)
     max_extend = max(meta.extend_lens_cpu, default=0)
@@ -702,7 +712,7 @@ def decode_attention(
     if any(s < 1 for s in meta.seq_lens_cpu):
         raise ValueError("decode needs seq_len >= 1 for every request (the new token included)")
     out = _check_out(out, q)
-    config = config or decode_config(group, head_dim, device_capability(q.device))
+    config = config or decode_config(group, head_dim, q.dtype, device_capability(q.device))
     _check_block("block_n", config.block_n)
     _check_block("block_h", config.block_h)
     if num_kv_splits is None:

