@@ -316,13 +316,19 @@ def _decode_stage2_kernel(
         MidLse + req * stride_mlb + head * stride_mlh + offs_s, mask=mask_s, other=float("-inf")
     )  # [BLOCK_S]
     part = tl.load(
-        MidO + req * stride_mob + head * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        MidO
+        + req * stride_mob
+        + head * stride_moh
+        + offs_s[:, None] * stride_mos
+        + offs_d[None, :],
         mask=mask_s[:, None] & mask_d[None, :],
         other=0.0,
     )  # [BLOCK_S, BLOCK_D]
     weight = tl.exp2(lse - tl.max(lse, 0))  # unused splits get exp2(-inf) = 0
     out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
-    tl.store(O + req * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+    tl.store(
+        O + req * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,55 +402,55 @@ def decode_config(
 
 
 def store_kv_params(num_kv_heads: int, head_dim: int) -> dict:
-    return dict(
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
-    )
+    return {
+        "NUM_KV_HEADS": num_kv_heads,
+        "HEAD_DIM": head_dim,
+        "BLOCK_H": triton.next_power_of_2(num_kv_heads),
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "num_warps": 4 if num_kv_heads * head_dim >= 1024 else 1,
+    }
 
 
 def extend_params(group: int, head_dim: int, dtype: torch.dtype, config: ExtendConfig) -> dict:
-    return dict(
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        DOT_PRECISION=_dot_precision(dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    return {
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": _block_d(head_dim),
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "DOT_PRECISION": _dot_precision(dtype),
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
 
 
 def decode_stage1_params(
     group: int, head_dim: int, dtype: torch.dtype, config: DecodeConfig
 ) -> dict:
-    return dict(
-        GROUP=group,
-        HEAD_BLOCKS=triton.cdiv(group, config.block_h),
-        HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim),
-        BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n,
-        DOT_PRECISION=_dot_precision(dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    return {
+        "GROUP": group,
+        "HEAD_BLOCKS": triton.cdiv(group, config.block_h),
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": _block_d(head_dim),
+        "BLOCK_H": config.block_h,
+        "BLOCK_N": config.block_n,
+        "DOT_PRECISION": _dot_precision(dtype),
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
 
 
 def decode_stage2_params(head_dim: int, num_kv_splits: int, config: DecodeConfig) -> dict:
-    return dict(
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_kv_splits),
-        BLOCK_N=config.block_n,
-        num_warps=4 if head_dim >= 128 else 1,
-    )
+    return {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "BLOCK_S": triton.next_power_of_2(num_kv_splits),
+        "BLOCK_N": config.block_n,
+        "num_warps": 4 if head_dim >= 128 else 1,
+    }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -479,7 +485,9 @@ def decode_workspace(
     mid_o = torch.empty(
         (batch_size, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=device
     )
-    mid_lse = torch.empty((batch_size, num_heads, num_kv_splits), dtype=torch.float32, device=device)
+    mid_lse = torch.empty(
+        (batch_size, num_heads, num_kv_splits), dtype=torch.float32, device=device
+    )
     return mid_o, mid_lse
 
 
@@ -559,6 +567,21 @@ def _check_attention_inputs(
     device = q.device
     _check_device("q", q, device)
     _check_device("k_buffer", k_buffer, device)
+    return q.shape[1] // num_kv_heads
+
+
+@dataclass(frozen=True)
+class _MetaFacts:
+    max_extend_len: int
+    one_token_each: bool  # a valid decode batch
+
+
+def _check_meta(meta: AttentionMetadata, device: torch.device) -> _MetaFacts:
+    # every layer of a forward shares `meta`: check it once (O(batch) Python per layer adds up)
+    key = ("triton_ops.checked", device)
+    facts = meta.cache.get(key)
+    if facts is not None:
+        return facts
     batch = meta.batch_size
     _check_index("meta.req_to_token", meta.req_to_token, 2)
     _check_device("meta.req_to_token", meta.req_to_token, device)
@@ -582,7 +605,16 @@ def _check_attention_inputs(
             f"a request has {meta.max_seq_len} KV positions but req_to_token has only "
             f"{meta.req_to_token.shape[1]} columns"
         )
-    return q.shape[1] // num_kv_heads
+    if sum(meta.extend_lens_cpu) != meta.num_tokens:
+        raise ValueError(
+            f"meta.extend_lens_cpu sums to {sum(meta.extend_lens_cpu)} but meta.out_cache_loc "
+            f"has {meta.num_tokens} slots"
+        )
+    facts = meta.cache[key] = _MetaFacts(
+        max_extend_len=max(meta.extend_lens_cpu, default=0),
+        one_token_each=all(e == 1 for e in meta.extend_lens_cpu),
+    )
+    return facts
 
 
 def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -659,19 +691,20 @@ def extend_attention(
     0..prefix_len + r for the request's r-th new token.
     """
     group = _check_attention_inputs(q, k_buffer, v_buffer, meta)
-    if sum(meta.extend_lens_cpu) != q.shape[0]:
+    facts = _check_meta(meta, q.device)
+    if meta.num_tokens != q.shape[0]:
         raise ValueError(
-            f"q has {q.shape[0]} rows but meta.extend_lens_cpu sums to {sum(meta.extend_lens_cpu)}"
+            f"q has {q.shape[0]} rows but the batch has {meta.num_tokens} new tokens "
+            "(meta.out_cache_loc)"
         )
     out = _check_out(out, q)
     head_dim = q.shape[2]
     config = config or extend_config(head_dim, q.dtype, device_capability(q.device))
     _check_block("block_m", config.block_m)
     _check_block("block_n", config.block_n)
-    max_extend = max(meta.extend_lens_cpu, default=0)
-    if max_extend == 0:
+    if facts.max_extend_len == 0:
         return out
-    grid = (meta.batch_size, q.shape[1], triton.cdiv(max_extend, config.block_m))
+    grid = (meta.batch_size, q.shape[1], triton.cdiv(facts.max_extend_len, config.block_m))
     _extend_attn_kernel[grid](
         q, k_buffer, v_buffer, out,
         meta.req_to_token, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens,
@@ -706,11 +739,12 @@ def decode_attention(
     `workspace` (from decode_workspace) lets all layers of a forward share one allocation.
     """
     group = _check_attention_inputs(q, k_buffer, v_buffer, meta)
+    facts = _check_meta(meta, q.device)
     batch, num_heads, head_dim = q.shape
     if batch != meta.batch_size:
         raise ValueError(f"q has {batch} rows for a decode batch of {meta.batch_size} requests")
-    if any(s < 1 for s in meta.seq_lens_cpu):
-        raise ValueError("decode needs seq_len >= 1 for every request (the new token included)")
+    if not facts.one_token_each:
+        raise ValueError("decode needs extend_len == 1 for every request (one new token each)")
     out = _check_out(out, q)
     config = config or decode_config(group, head_dim, q.dtype, device_capability(q.device))
     _check_block("block_n", config.block_n)
@@ -762,14 +796,14 @@ def decode_attention(
 
 
 __all__ = [
+    "MAX_KV_SPLITS",
     "DecodeConfig",
     "ExtendConfig",
-    "MAX_KV_SPLITS",
     "decode_attention",
     "decode_config",
     "decode_workspace",
-    "device_capability",
     "default_num_kv_splits",
+    "device_capability",
     "extend_attention",
     "extend_config",
     "store_kv",

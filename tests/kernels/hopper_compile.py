@@ -19,12 +19,12 @@ import time
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 
-from plait.kernels import triton_ops as ops  # noqa: E402
+from plait.kernels import triton_ops as ops
 
 CAPABILITY = (9, 0)
 TARGET = GPUTarget("cuda", 90, 32)

@@ -92,9 +92,7 @@ def _nan_like(t: torch.Tensor) -> torch.Tensor:
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, target: Target) -> None:
     assert not actual.isnan().any(), "NaN in the output: an unwritten element or a stray read"
-    torch.testing.assert_close(
-        actual.float(), expected.float(), atol=target.atol, rtol=target.rtol
-    )
+    torch.testing.assert_close(actual.float(), expected.float(), atol=target.atol, rtol=target.rtol)
 
 
 def _stored_pool(b: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,9 +110,7 @@ def _qkv_views(b: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """q/k/v as the model passes them: views into one fused projection (row stride > H*D)."""
     t, h, d = b.q.shape
     hkv = b.k_new.shape[1]
-    fused = torch.cat(
-        [b.q.reshape(t, -1), b.k_new.reshape(t, -1), b.v_new.reshape(t, -1)], dim=1
-    )
+    fused = torch.cat([b.q.reshape(t, -1), b.k_new.reshape(t, -1), b.v_new.reshape(t, -1)], dim=1)
     q, k, v = fused.split([h * d, hkv * d, hkv * d], dim=1)
     return q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
 
@@ -144,7 +140,12 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     root = Path(__file__).parents[2]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all kernels compiled for sm_90" in result.stdout
@@ -182,13 +183,13 @@ def test_store_kv_casts_to_the_pool_dtype_and_accepts_no_tokens():
 
 def _store_args(**override):
     b = random_attention_batch([0], [3], 2, 2, 16)
-    args = dict(
-        k_buffer=b.k_buffer,
-        v_buffer=b.v_buffer,
-        loc=b.meta.out_cache_loc,
-        k=b.k_new,
-        v=b.v_new,
-    )
+    args = {
+        "k_buffer": b.k_buffer,
+        "v_buffer": b.v_buffer,
+        "loc": b.meta.out_cache_loc,
+        "k": b.k_new,
+        "v": b.v_new,
+    }
     args.update({k: f(args) for k, f in override.items()})
     return args
 
@@ -196,13 +197,13 @@ def _store_args(**override):
 @pytest.mark.parametrize(
     "override, message",
     [
-        (dict(loc=lambda a: a["loc"].float()), "loc has dtype"),
-        (dict(loc=lambda a: a["loc"][:2]), "k has 3 rows but loc has 2"),
-        (dict(k=lambda a: a["k"][:, :1]), "k has 1 heads, expected 2"),
-        (dict(v=lambda a: a["v"][..., :8]), "v has head_dim 8, expected 16"),
-        (dict(k=lambda a: a["k"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
-        (dict(v_buffer=lambda a: a["v_buffer"][:-1]), "must match k_buffer"),
-        (dict(k=lambda a: a["k"].int()), "k has dtype torch.int32"),
+        ({"loc": lambda a: a["loc"].float()}, "loc has dtype"),
+        ({"loc": lambda a: a["loc"][:2]}, "k has 3 rows but loc has 2"),
+        ({"k": lambda a: a["k"][:, :1]}, "k has 1 heads, expected 2"),
+        ({"v": lambda a: a["v"][..., :8]}, "v has head_dim 8, expected 16"),
+        ({"k": lambda a: a["k"].transpose(1, 2).contiguous().transpose(1, 2)}, "contiguous"),
+        ({"v_buffer": lambda a: a["v_buffer"][:-1]}, "must match k_buffer"),
+        ({"k": lambda a: a["k"].int()}, "k has dtype torch.int32"),
     ],
 )
 def test_store_kv_rejects_bad_arguments(override, message):
@@ -247,7 +248,9 @@ def test_extend_attention_odd_head_dim_unequal_blocks_strided_q(target):
     k_buffer, v_buffer = _stored_pool(b)
     q, _, _ = _qkv_views(b)
     config = ops.ExtendConfig(16, 32, 4, 1) if target.small_blocks else None
-    out = ops.extend_attention(q, k_buffer, v_buffer, b.meta, 0.2, out=_nan_like(b.q), config=config)
+    out = ops.extend_attention(
+        q, k_buffer, v_buffer, b.meta, 0.2, out=_nan_like(b.q), config=config
+    )
     expected = _reference(extend_attention_reference, b, k_buffer, v_buffer, 0.2)
     _assert_close(out, expected, target)
 
@@ -255,7 +258,7 @@ def test_extend_attention_odd_head_dim_unequal_blocks_strided_q(target):
 def _extend_args(**override):
     b = random_attention_batch([2, 0], [3, 4], 4, 2, 16)
     k_buffer, v_buffer = _stored_pool(b)
-    args = dict(q=b.q, k_buffer=k_buffer, v_buffer=v_buffer, meta=b.meta, scaling=0.5)
+    args = {"q": b.q, "k_buffer": k_buffer, "v_buffer": v_buffer, "meta": b.meta, "scaling": 0.5}
     args.update({k: f(args) for k, f in override.items()})
     return args
 
@@ -267,28 +270,32 @@ def _meta_with(meta: AttentionMetadata, **fields) -> AttentionMetadata:
 @pytest.mark.parametrize(
     "override, message",
     [
-        (dict(q=lambda a: a["q"][:, :3]), "not a multiple of the pool's 2 kv heads"),
-        (dict(q=lambda a: a["q"].double()), "q has dtype torch.float64"),
-        (dict(q=lambda a: a["q"][:5]), "q has 5 rows but meta.extend_lens_cpu sums to 7"),
-        (dict(q=lambda a: a["q"][..., :8]), "q has head_dim 8, expected 16"),
+        ({"q": lambda a: a["q"][:, :3]}, "not a multiple of the pool's 2 kv heads"),
+        ({"q": lambda a: a["q"].double()}, "q has dtype torch.float64"),
+        ({"q": lambda a: a["q"][:5]}, "q has 5 rows but the batch has 7 new tokens"),
+        ({"q": lambda a: a["q"][..., :8]}, "q has head_dim 8, expected 16"),
         (
-            dict(meta=lambda a: _meta_with(a["meta"], seq_lens_cpu=[5, 5])),
+            {"meta": lambda a: _meta_with(a["meta"], seq_lens_cpu=[5, 5])},
             r"request 1: seq_len \(5\) must equal prefix_len \(0\) \+ extend_len \(4\)",
         ),
         (
-            dict(meta=lambda a: _meta_with(a["meta"], seq_lens=a["meta"].seq_lens.float())),
+            {"meta": lambda a: _meta_with(a["meta"], seq_lens=a["meta"].seq_lens.float())},
             "meta.seq_lens has dtype",
         ),
         (
-            dict(meta=lambda a: _meta_with(a["meta"], prefix_lens=a["meta"].prefix_lens[:1])),
+            {"meta": lambda a: _meta_with(a["meta"], prefix_lens=a["meta"].prefix_lens[:1])},
             "meta.prefix_lens has 1 entries for a batch of 2",
         ),
         (
-            dict(meta=lambda a: _meta_with(a["meta"], req_to_token=a["meta"].req_to_token[:, :4])),
+            {"meta": lambda a: _meta_with(a["meta"], req_to_token=a["meta"].req_to_token[:, :4])},
             "req_to_token has only 4 columns",
         ),
-        (dict(out=lambda a: a["q"][:, :, :8]), "out must be"),
-        (dict(config=lambda a: ops.ExtendConfig(24, 16, 4, 1)), "block_m must be a power of two"),
+        (
+            {"meta": lambda a: _meta_with(a["meta"], out_cache_loc=a["meta"].out_cache_loc[:6])},
+            "meta.extend_lens_cpu sums to 7 but meta.out_cache_loc has 6 slots",
+        ),
+        ({"out": lambda a: a["q"][:, :, :8]}, "out must be"),
+        ({"config": lambda a: ops.ExtendConfig(24, 16, 4, 1)}, "block_m must be a power of two"),
     ],
 )
 def test_extend_attention_rejects_bad_arguments(override, message):
@@ -342,7 +349,9 @@ def test_decode_attention_query_heads_over_several_programs(target):
     # 32 query heads on one kv head with 16-row head blocks: two programs per kv head
     b = _decode_batch(target, [40, 3], 32, 1, 16, seed=3)
     k_buffer, v_buffer = _stored_pool(b)
-    config = ops.DecodeConfig(16, 16, 4, 1) if target.small_blocks else ops.DecodeConfig(64, 16, 4, 3)
+    config = (
+        ops.DecodeConfig(16, 16, 4, 1) if target.small_blocks else ops.DecodeConfig(64, 16, 4, 3)
+    )
     out = _run_decode(target, b, k_buffer, v_buffer, 0.25, 2, config)
     expected = _reference(decode_attention_reference, b, k_buffer, v_buffer, 0.25)
     _assert_close(out, expected, target)
@@ -362,7 +371,7 @@ def test_decode_attention_odd_head_dim_and_strided_q(target):
 def _decode_args(**override):
     b = random_attention_batch([2, 0], [1, 1], 4, 2, 16, mode=ForwardMode.DECODE)
     k_buffer, v_buffer = _stored_pool(b)
-    args = dict(q=b.q, k_buffer=k_buffer, v_buffer=v_buffer, meta=b.meta, scaling=0.5)
+    args = {"q": b.q, "k_buffer": k_buffer, "v_buffer": v_buffer, "meta": b.meta, "scaling": 0.5}
     args.update({k: f(args) for k, f in override.items()})
     return args
 
@@ -370,14 +379,14 @@ def _decode_args(**override):
 @pytest.mark.parametrize(
     "override, message",
     [
-        (dict(q=lambda a: a["q"][:1]), "q has 1 rows for a decode batch of 2"),
-        (dict(num_kv_splits=lambda a: 0), "num_kv_splits must be >= 1"),
+        ({"q": lambda a: a["q"][:1]}, "q has 1 rows for a decode batch of 2"),
+        ({"num_kv_splits": lambda a: 0}, "num_kv_splits must be >= 1"),
         (
-            dict(workspace=lambda a: ops.decode_workspace(2, 4, 16, 3, a["q"].device)),
+            {"workspace": lambda a: ops.decode_workspace(2, 4, 16, 3, a["q"].device)},
             "workspace must be",
         ),
-        (dict(k_buffer=lambda a: a["k_buffer"].half()), "must match k_buffer"),
-        (dict(config=lambda a: ops.DecodeConfig(16, 8, 4, 1)), "block_h must be a power of two"),
+        ({"k_buffer": lambda a: a["k_buffer"].half()}, "must match k_buffer"),
+        ({"config": lambda a: ops.DecodeConfig(16, 8, 4, 1)}, "block_h must be a power of two"),
     ],
 )
 def test_decode_attention_rejects_bad_arguments(override, message):
@@ -388,11 +397,10 @@ def test_decode_attention_rejects_bad_arguments(override, message):
         ops.decode_attention(**args)
 
 
-def test_decode_attention_rejects_an_empty_sequence():
-    b = random_attention_batch([0, 0], [1, 1], 2, 2, 16, mode=ForwardMode.DECODE)
-    meta = _meta_with(b.meta, seq_lens_cpu=[1, 0], extend_lens_cpu=[1, 0])
-    with pytest.raises(ValueError, match="seq_len >= 1"):
-        ops.decode_attention(b.q, b.k_buffer, b.v_buffer, meta, 0.5)
+def test_decode_attention_rejects_a_request_without_its_new_token():
+    b = random_attention_batch([0, 3], [2, 1], 2, 2, 16)  # an extend batch
+    with pytest.raises(ValueError, match="extend_len == 1 for every request"):
+        ops.decode_attention(b.q[:2], b.k_buffer, b.v_buffer, b.meta, 0.5)
 
 
 def test_default_num_kv_splits_stays_within_the_sequence():
@@ -510,10 +518,10 @@ def test_triton_backend_prepares_one_decode_plan_for_all_layers():
     session.step_meta(ForwardMode.EXTEND, [3, 20])  # KV positions only; no forward needed
     meta = session.step_meta(ForwardMode.DECODE, [1, 1])
     backend.prepare(meta)
-    (plan,) = meta.cache.values()
+    (plan,) = [v for v in meta.cache.values() if hasattr(v, "workspace")]
     for layer in range(2):
         backend.forward(*session.qkv(2), layer, session.pool, meta)
-    (same,) = meta.cache.values()
+    (same,) = [v for v in meta.cache.values() if hasattr(v, "workspace")]
     assert same is plan
     assert plan.workspace[0].shape == (2, 4, plan.num_kv_splits, 16)
 
@@ -525,7 +533,8 @@ def test_triton_backend_fixed_num_kv_splits():
     session.step_meta(ForwardMode.EXTEND, [40])
     meta = session.step_meta(ForwardMode.DECODE, [1])
     backend.prepare(meta)
-    assert next(iter(meta.cache.values())).num_kv_splits == 3
+    (plan,) = [v for v in meta.cache.values() if hasattr(v, "workspace")]
+    assert plan.num_kv_splits == 3
     with pytest.raises(ValueError, match="num_kv_splits must be >= 1"):
         TritonAttnBackend(4, 2, 16, 0.25, num_kv_splits=0)
 
@@ -561,7 +570,9 @@ def _fake_flash_attn(version: str) -> types.ModuleType:
         for i in range(len(cu_q) - 1):
             qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
             assert qe - qs <= max_q and ke - ks <= max_k
-            mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool).tril(diagonal=(ke - ks) - (qe - qs))
+            mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool).tril(
+                diagonal=(ke - ks) - (qe - qs)
+            )
             out[qs:qe] = torch.nn.functional.scaled_dot_product_attention(
                 q[qs:qe].transpose(0, 1),
                 k[ks:ke].transpose(0, 1).repeat_interleave(group, 0),
