@@ -1,0 +1,103 @@
+"""The `plait` command (also `python -m plait`).
+
+    plait serve [--model PATH_OR_NAME] [--port 30000] [--api-key KEY] [server args...]
+    plait generate --prompt TEXT [--max-new-tokens N] [--temperature T] [server args...]
+
+Server flags derive from ServerArgs (`plait serve --help` lists them). Heavy modules (torch,
+transformers, uvicorn) load only after the arguments parsed, so `--help` and argument errors
+are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from plait.args import ServerArgs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description="plait: a runtime for LLM programs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (SGLang-native and OpenAI-compatible APIs)",
+        description="Serve a model over HTTP: /generate (SGLang-native), /v1/completions and "
+        "/v1/chat/completions (OpenAI), /health, /metrics.",
+    )
+    ServerArgs.add_cli_args(serve)
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt with the offline Engine and print it",
+        description="Generate text for one prompt with the offline Engine (no HTTP) and print it.",
+    )
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="(default: 128)")
+    gen.add_argument("--temperature", type=float, default=None, help="(default: 1.0; 0 = greedy)")
+    gen.add_argument("--top-p", type=float, default=None, help="(default: 1.0)")
+    gen.add_argument("--top-k", type=int, default=None, help="(default: -1, off)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--json", action="store_true", help="print the whole output as JSON")
+    ServerArgs.add_cli_args(gen)
+    gen.set_defaults(log_level="warning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        args = ServerArgs.from_cli_args(ns)
+    except ValueError as e:
+        print(f"plait {ns.command}: {e}", file=sys.stderr)
+        return 2
+    try:
+        if ns.command == "serve":
+            from plait.frontend.http_server import launch_server
+
+            launch_server(args)
+            return 0
+        return generate(ns, args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def generate(ns: argparse.Namespace, args: ServerArgs) -> int:
+    import dataclasses
+
+    from plait.frontend.engine import Engine
+
+    sampling = {
+        "max_new_tokens": ns.max_new_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+        "seed": ns.seed,
+        "stop": ns.stop,
+    }
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    try:
+        from plait.sampling import SamplingParams
+
+        SamplingParams.from_dict(sampling)
+    except ValueError as e:
+        print(f"plait generate: {e}", file=sys.stderr)
+        return 2
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    with Engine(**fields) as engine:
+        if ns.stream and not ns.json:
+            for chunk in engine.generate(ns.prompt, sampling, stream=True):
+                print(chunk["text"], end="", flush=True)
+            print()
+            return 0
+        out = engine.generate(ns.prompt, sampling)
+    print(json.dumps(out, indent=2) if ns.json else out["text"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""The HTTP server: a FastAPI app built by `create_app` and served by uvicorn.
+
+    plait serve --model PATH --port 30000        # == launch_server(ServerArgs(...))
+
+The app's state (TokenizerManager, args, metrics, runtime processes) lives on `app.state`.
+A pure-ASGI gate in front of every route checks the API key, answers 503 until the
+TokenizerManager runs, and counts responses by status. Every error, native or OpenAI, has
+OpenAI's body {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import socket
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from plait.args import ServerArgs
+from plait.frontend import native_api, openai_api
+from plait.frontend.metrics import CONTENT_TYPE, Metrics
+from plait.frontend.native_api import ClientGone, error_body, until_disconnect
+from plait.frontend.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
+from plait.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 3.0  # /health: how long the scheduler may take to answer a stats probe
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+GRACEFUL_SHUTDOWN_S = 5.0
+OPEN_PATHS = ("/health",)  # served without the API key
+
+
+def create_app(
+    tokenizer_manager: TokenizerManager, args: ServerArgs, runtime: Any = None
+) -> FastAPI:
+    """The server's app. `runtime` (RuntimeProcesses) is shut down with the app when given;
+    the TokenizerManager is started and closed by the app's lifespan."""
+    app = FastAPI(
+        title="plait", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    state = app.state
+    state.tokenizer_manager = tokenizer_manager
+    state.args = args
+    state.runtime = runtime
+    state.ready = False
+    state.start_time = time.time()
+    state.model_name = args.model_name
+    # the served name first; the path the model was loaded from is accepted too
+    state.model_names = list(
+        dict.fromkeys(
+            [args.model_name, tokenizer_manager.model_info.get("model_path")]
+            + ([args.model_path] if args.model_path else [])
+        )
+    )
+    state.metrics = Metrics(args.model_name)
+
+    app.include_router(native_api.router)
+    app.include_router(openai_api.router)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health_generate", health_generate, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    _add_error_handlers(app)
+    routes = {getattr(r, "path", None) for r in app.routes} - {None}
+    app.add_middleware(Gate, api_key=args.api_key, routes=routes)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    state = app.state
+    tm: TokenizerManager = state.tokenizer_manager
+    await tm.start()
+    tm.listeners.append(state.metrics.on_finish)
+    state.ready = True
+    try:
+        yield
+    finally:
+        state.ready = False
+        await tm.close()
+        if state.runtime is not None:
+            await asyncio.to_thread(state.runtime.shutdown)
+
+
+# ---------------------------------------------------------------------- gate (pure ASGI)
+class Gate:
+    """API key, readiness and per-status counting for every request. Pure ASGI rather than
+    BaseHTTPMiddleware, which would buffer streams and hide client disconnects."""
+
+    def __init__(self, app, api_key: str | None, routes: set[str]) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        state = scope["app"].state
+        label = path if path in self.routes else "other"
+        status = 500
+
+        async def send_counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+                await _send_error(
+                    send_counted,
+                    RequestError(
+                        "invalid or missing API key: send 'Authorization: Bearer <key>'", 401
+                    ),
+                )
+            elif not state.ready:
+                await _send_error(send_counted, RequestError("server is not ready", 503))
+            else:
+                await self.app(scope, receive, send_counted)
+        finally:
+            state.metrics.observe_http(scope["method"], label, status)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    token.strip(), self.api_key
+                )
+        return False
+
+
+async def _send_error(send, e: RequestError) -> None:
+    response = error_response(e)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": response.raw_headers,
+        }
+    )
+    await send({"type": "http.response.body", "body": response.body})
+
+
+def error_response(e: RequestError) -> JSONResponse:
+    headers = {}
+    if e.status == 429:
+        headers["Retry-After"] = "1"
+    elif e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, e: RequestError) -> Response:
+        if e.status >= 500:
+            logger.warning("%s %s: %s", request.method, request.url.path, e)
+        return error_response(e)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the requests were aborted
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> Response:
+        err = e.errors()[0] if e.errors() else {"loc": ["body"], "msg": "invalid request"}
+        param = ".".join(str(p) for p in err["loc"][1:]) or "body"
+        return error_response(RequestError(f"{param}: {err['msg']}", 400, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return error_response(RequestError(message, e.status_code))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> Response:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return error_response(RequestError(f"internal error: {type(e).__name__}: {e}", 500))
+
+
+# ---------------------------------------------------------------------- health and metrics
+async def health(request: Request) -> Response:
+    """200 only when the scheduler answers a stats probe promptly."""
+    tm: TokenizerManager = request.app.state.tokenizer_manager
+    tm.check_alive()
+    try:
+        await tm.get_stats(timeout=HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise RequestError(
+            f"unhealthy: the scheduler did not answer within {HEALTH_TIMEOUT_S} s", 503
+        ) from None
+    return JSONResponse({"status": "ok"})
+
+
+async def health_generate(request: Request) -> Response:
+    """200 when a one-token generation completes."""
+    tm: TokenizerManager = request.app.state.tokenizer_manager
+    inp = GenerateInput(
+        input_ids=[tm.tokenizer.bos_token_id or 0],
+        sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+    )
+    try:
+        await until_disconnect(
+            request, asyncio.wait_for(tm.generate_one(inp), HEALTH_GENERATE_TIMEOUT_S)
+        )
+    except asyncio.TimeoutError:
+        raise RequestError(
+            f"unhealthy: a one-token generation did not finish in {HEALTH_GENERATE_TIMEOUT_S} s",
+            503,
+        ) from None
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    state = request.app.state
+    return Response(await state.metrics.render(state.tokenizer_manager), media_type=CONTENT_TYPE)
+
+
+# ---------------------------------------------------------------------- launching
+class _Server(uvicorn.Server):
+    """uvicorn.Server that announces the URL once it accepts connections."""
+
+    url = ""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if not self.should_exit:
+            print(f"plait server ready at {self.url}", flush=True)
+
+
+class _Terminated(SystemExit):
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Claim the port before the model loads, so a port in use fails in a second."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"plait serve: cannot bind {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def launch_server(args: ServerArgs) -> None:
+    """Start the runtime's processes, then serve HTTP until SIGINT/SIGTERM; every child is
+    stopped on the way out."""
+    from transformers import AutoTokenizer
+
+    from plait.frontend.launch import launch_runtime
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s frontend %(levelname)s %(message)s"
+    )
+    sock = bind_socket(args.host, args.port)
+    signal.signal(signal.SIGTERM, _terminate)  # uvicorn takes over once it runs
+    runtime = None
+    try:
+        runtime = launch_runtime(args)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or runtime.model_path)
+        tm = TokenizerManager(args, tokenizer, runtime.model_info, runtime.addrs, runtime.procs)
+        app = create_app(tm, args, runtime=runtime)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=args.log_level == "debug",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        server = _Server(config)
+        server.url = args.url
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if runtime is not None:
+            runtime.shutdown()

@@ -1,0 +1,575 @@
+"""OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
+
+Request bodies are pydantic models with extra="forbid" (an unknown field is a 400 naming it);
+each request becomes GenerateInputs (prompts x n) run through the same plumbing as /generate.
+Beyond OpenAI's fields, the constraint fields regex / ebnf / json_schema / choices and a few
+SGLang sampling fields (top_k, min_p, ...) are accepted.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from plait.frontend.engine import expand_n
+from plait.frontend.native_api import (
+    SSE_DONE,
+    TokenTexts,
+    admit,
+    first_then_rest,
+    read_json,
+    run_all,
+    run_streams,
+    sse,
+    stream_error,
+    tokenizer_manager,
+    until_disconnect,
+)
+from plait.frontend.tokenizer_manager import GenerateInput, ReqState, RequestError
+from plait.sampling import SamplingParams
+
+router = APIRouter(prefix="/v1")
+
+MAX_TOP_LOGPROBS = 20
+# SamplingParams' field names -> the OpenAI request's, for error messages.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+# ---------------------------------------------------------------------- request models
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Sampling(_Body):
+    """The fields completions and chat share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # SGLang / vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    # constraints (plait.grammar)
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    choices: list[str] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+def parse_body(cls: type[BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise RequestError(*_validation_message(e)) from None
+
+
+def _validation_message(e: ValidationError) -> tuple[str, int, str | None]:
+    errors = e.errors()
+    unknown = [".".join(map(str, err["loc"])) for err in errors if err["type"] == "extra_forbidden"]
+    if unknown:
+        return (
+            f"{', '.join(unknown)}: unknown field{'s' if len(unknown) > 1 else ''}",
+            400,
+            unknown[0],
+        )
+    err = errors[0]
+    # drop pydantic's union-branch names ('str', 'list[int]') from the location
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPES))]
+    param = ".".join(loc) or "body"
+    return f"{param}: {err['msg']}", 400, param
+
+
+_TYPES = {"str", "int", "float", "bool", "dict", "list", "function-after", "literal"}
+
+
+# ---------------------------------------------------------------------- conversion
+def check_model(request: Request, model: str | None) -> None:
+    names = request.app.state.model_names
+    if model is not None and model not in names:
+        raise RequestError(
+            f"model: the model '{model}' does not exist (served: {names[0]})", 404, "model"
+        )
+
+
+def sampling_params(
+    req: _Sampling, max_tokens: int | None, constraint: dict[str, Any]
+) -> SamplingParams:
+    if req.logit_bias:
+        raise RequestError("logit_bias: not supported by plait", 400, "logit_bias")
+    d: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "min_new_tokens": req.min_tokens,
+        "n": req.n,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "seed": req.seed,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+        "regex": req.regex,
+        "ebnf": req.ebnf,
+        "json_schema": req.json_schema,
+        "choices": req.choices,
+        **constraint,
+    }
+    try:
+        return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
+    except (TypeError, ValueError) as e:
+        raise openai_error(RequestError(str(e), 400, str(e).split(":")[0])) from None
+
+
+def openai_error(e: RequestError) -> RequestError:
+    """Names SamplingParams' fields as the OpenAI request does (max_new_tokens -> max_tokens)."""
+    message, param = str(e), e.param
+    for ours, theirs in OPENAI_NAMES.items():
+        if param == ours or message.startswith(ours + ":"):
+            message = theirs + message[len(ours) :] if message.startswith(ours) else message
+            param = theirs
+    return RequestError(message, e.status, param)
+
+
+def response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any]:
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise RequestError(
+            "response_format.json_schema.schema: required for type json_schema",
+            400,
+            "response_format.json_schema.schema",
+        )
+    return {"json_schema": fmt.json_schema.schema_}
+
+
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError(
+            "messages: the model has no chat template; use /v1/completions", 400, "messages"
+        )
+    conversation = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if m.role == "developer" else m.role
+        conversation.append({"role": role, "content": content or ""})
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # jinja raises for conversations the template refuses
+        raise RequestError(f"messages: the chat template failed: {e}", 400, "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def expand(
+    prompts: list[dict[str, Any]],
+    sp: SamplingParams,
+    stream: bool,
+    top_logprobs: int | None,
+    return_logprob: bool,
+) -> list[GenerateInput]:
+    """prompt i, sample j -> choice index i * n + j."""
+    return [
+        GenerateInput(
+            **prompt,
+            sampling_params=sub,
+            stream=stream,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs or 0,
+        )
+        for prompt in prompts
+        for sub in expand_n(sp)
+    ]
+
+
+async def run(request: Request, inputs: list[GenerateInput]) -> list[ReqState]:
+    tm = tokenizer_manager(request)
+    admit(tm, len(inputs))
+    try:
+        return await until_disconnect(request, run_all(tm, inputs))
+    except RequestError as e:
+        raise openai_error(e) from None
+
+
+async def open_stream(request: Request, inputs: list[GenerateInput]):
+    tm = tokenizer_manager(request)
+    admit(tm, len(inputs))
+    try:
+        return await first_then_rest(request, run_streams(tm, inputs))
+    except RequestError as e:
+        raise openai_error(e) from None
+
+
+def finish_reason(state: ReqState) -> str | None:
+    reason = state.finished_reason
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(reason.get("type"), reason.get("type"))
+
+
+def usage(states: list[ReqState], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per sample), as OpenAI counts them."""
+    firsts = states[::n]
+    prompt = sum(s.meta.get("prompt_tokens", s.prompt_tokens) for s in firsts)
+    cached = sum(
+        min(s.meta.get("cached_tokens", 0) for s in states[i : i + n])
+        for i in range(0, len(states), n)
+    )
+    completion = sum(s.meta.get("completion_tokens", len(s.output_ids)) for s in states)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+# ---------------------------------------------------------------------- logprobs
+def completion_logprobs(
+    state: ReqState, start: int, end: int, texts: TokenTexts, text_offset: int
+) -> dict[str, Any]:
+    """OpenAI's legacy logprobs object for output tokens [start, end)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    rows = state.output_top_logprobs
+    for k in range(start, end):
+        lp, tok = state.output_token_logprobs[k]
+        text = texts(tok)
+        tokens.append(text)
+        token_logprobs.append(lp)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if k < len(rows) and rows[k]:
+            tops.append({texts(t): v for v, t in rows[k]})
+        else:
+            tops.append(None)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(state: ReqState, start: int, end: int, texts: TokenTexts) -> dict[str, Any]:
+    content = []
+    rows = state.output_top_logprobs
+    for k in range(start, end):
+        lp, tok = state.output_token_logprobs[k]
+        text = texts(tok)
+        top = rows[k] if k < len(rows) and rows[k] else []
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": texts(t), "logprob": v, "bytes": list(texts(t).encode())}
+                    for v, t in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+# ---------------------------------------------------------------------- endpoints
+@router.get("/models")
+async def list_models(request: Request) -> Response:
+    state = request.app.state
+    tm = state.tokenizer_manager
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": int(state.start_time),
+                    "owned_by": "plait",
+                    "root": tm.model_info["model_path"],
+                    "max_model_len": tm.context_length,
+                }
+            ],
+        }
+    )
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    req: CompletionRequest = parse_body(CompletionRequest, await read_json(request))
+    check_model(request, req.model)
+    if req.best_of not in (None, 1):
+        raise RequestError("best_of: only 1 is supported", 400, "best_of")
+    if req.suffix:
+        raise RequestError("suffix: not supported by plait", 400, "suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}]", 400, "logprobs")
+    if req.echo and req.stream:
+        raise RequestError("echo: not supported with stream", 400, "echo")
+    prompts = _completion_prompts(req.prompt)
+    sp = sampling_params(req, req.max_tokens, {})
+    inputs = expand(prompts, sp, req.stream, req.logprobs, req.logprobs is not None)
+    tm = tokenizer_manager(request)
+    texts = TokenTexts(tm.tokenizer)
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": request.app.state.model_name,
+    }
+    if req.stream:
+        return await _stream_completions(request, req, inputs, head, texts)
+    states = await run(request, inputs)
+    choices = []
+    for i, s in enumerate(states):
+        prefix = _prompt_text(tm.tokenizer, prompts[i // req.n]) if req.echo else ""
+        choices.append(
+            {
+                "index": i,
+                "text": prefix + s.text,
+                "logprobs": None
+                if req.logprobs is None
+                else completion_logprobs(s, 0, len(s.output_token_logprobs), texts, len(prefix)),
+                "finish_reason": finish_reason(s),
+            }
+        )
+    return JSONResponse({**head, "choices": choices, "usage": usage(states, req.n)})
+
+
+def _completion_prompts(prompt: Any) -> list[dict[str, Any]]:
+    if isinstance(prompt, str):
+        return [{"text": prompt}]
+    if not prompt:
+        raise RequestError("prompt: must not be empty", 400, "prompt")
+    if isinstance(prompt[0], int):
+        return [{"input_ids": prompt}]
+    if isinstance(prompt[0], str):
+        return [{"text": p} for p in prompt]
+    return [{"input_ids": p} for p in prompt]
+
+
+def _prompt_text(tokenizer, prompt: dict[str, Any]) -> str:
+    return prompt["text"] if "text" in prompt else tokenizer.decode(prompt["input_ids"])
+
+
+async def _stream_completions(request, req, inputs, head, texts) -> Response:
+    first, rest = await open_stream(request, inputs)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    metrics = request.app.state.metrics
+
+    def chunk(choices: list[dict], usage_: dict | None = None) -> bytes:
+        body = {**head, "choices": choices}
+        if include_usage:
+            body["usage"] = usage_
+        return sse(body)
+
+    async def events() -> AsyncIterator[bytes]:
+        sent_text = [0] * len(inputs)
+        sent_tokens = [0] * len(inputs)
+        finals: list[ReqState | None] = [None] * len(inputs)
+        item: tuple[int, ReqState] | None = first
+        try:
+            while item is not None:
+                i, s = item
+                text = s.text[sent_text[i] :]
+                end = len(s.output_token_logprobs)
+                reason = finish_reason(s)
+                if text or reason or end > sent_tokens[i]:
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = completion_logprobs(s, sent_tokens[i], end, texts, sent_text[i])
+                    yield chunk(
+                        [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}]
+                    )
+                sent_text[i], sent_tokens[i] = len(s.text), end
+                if reason is not None:
+                    finals[i] = s
+                    metrics.observe_stream(s)
+                item = await rest.__anext__()
+        except StopAsyncIteration:
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(finals, req.n)})
+        except Exception as e:
+            yield stream_error(e)
+        finally:
+            await rest.aclose()
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_json(request))
+    check_model(request, req.model)
+    if req.tools:
+        raise RequestError("tools: tool calling is not supported by plait", 400, "tools")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise RequestError("top_logprobs: requires logprobs to be true", 400, "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]", 400, "top_logprobs"
+            )
+    tm = tokenizer_manager(request)
+    ids = chat_prompt_ids(tm.tokenizer, req.messages)
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    if max_tokens is None:  # as much as the context leaves
+        max_tokens = max(0, tm.context_length - len(ids))
+    sp = sampling_params(req, max_tokens, response_format_constraint(req.response_format))
+    inputs = expand([{"input_ids": ids}], sp, req.stream, req.top_logprobs, req.logprobs)
+    texts = TokenTexts(tm.tokenizer)
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.app.state.model_name,
+    }
+    if req.stream:
+        return await _stream_chat(request, req, inputs, head, texts)
+    states = await run(request, inputs)
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": s.text},
+            "logprobs": chat_logprobs(s, 0, len(s.output_token_logprobs), texts)
+            if req.logprobs
+            else None,
+            "finish_reason": finish_reason(s),
+        }
+        for i, s in enumerate(states)
+    ]
+    return JSONResponse({**head, "choices": choices, "usage": usage(states, req.n)})
+
+
+async def _stream_chat(request, req, inputs, head, texts) -> Response:
+    first, rest = await open_stream(request, inputs)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    head = {**head, "object": "chat.completion.chunk"}
+    metrics = request.app.state.metrics
+
+    def chunk(i: int, delta: dict, reason: str | None = None, logprobs: Any = None) -> bytes:
+        body = {
+            **head,
+            "choices": [
+                {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            ],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    async def events() -> AsyncIterator[bytes]:
+        sent_text = [0] * len(inputs)
+        sent_tokens = [0] * len(inputs)
+        finals: list[ReqState | None] = [None] * len(inputs)
+        for i in range(len(inputs)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        item: tuple[int, ReqState] | None = first
+        try:
+            while item is not None:
+                i, s = item
+                text = s.text[sent_text[i] :]
+                end = len(s.output_token_logprobs)
+                if text or end > sent_tokens[i]:
+                    logprobs = (
+                        chat_logprobs(s, sent_tokens[i], end, texts) if req.logprobs else None
+                    )
+                    yield chunk(i, {"content": text}, None, logprobs)
+                sent_text[i], sent_tokens[i] = len(s.text), end
+                reason = finish_reason(s)
+                if reason is not None:
+                    finals[i] = s
+                    metrics.observe_stream(s)
+                    yield chunk(i, {}, reason)
+                item = await rest.__anext__()
+        except StopAsyncIteration:
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(finals, req.n)})
+        except Exception as e:
+            yield stream_error(e)
+        finally:
+            await rest.aclose()
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
