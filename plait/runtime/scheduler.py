@@ -95,13 +95,12 @@ class Scheduler:
             self._admit_compiled()
         with self.timer("schedule"):
             batch = self.next_batch()
-        if batch is None:
-            return False
-        self.run_batch(batch)
-        with self.timer("io"):
+        if batch is not None:
+            self.run_batch(batch)
+        with self.timer("io"):  # also aborts, which finish without a forward
             for msg in self.outputs.flush():
                 self.io.send(msg)
-        return True
+        return batch is not None
 
     def _dispatch(self, msg: Any) -> None:
         handler = self._handlers.get(type(msg))

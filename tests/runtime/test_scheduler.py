@@ -1,0 +1,119 @@
+"""The scheduler driven in-process (InProcessIO instead of sockets): abort, oversize requests,
+accounting after every step, the lpm policy; model-path errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from plait.args import ServerArgs
+from plait.messages import AbortReq, BatchTokenOut, RequestErrorOut, TokenizedGenerateReq
+from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler_process import InProcessIO, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def make_scheduler(tiny_llama):
+    tokenizer = load_tokenizer(tiny_llama)
+
+    def make(**kwargs):
+        io = InProcessIO()
+        args = ServerArgs(model_path=tiny_llama, **kwargs)
+        return Scheduler(args, tiny_llama, io, tokenizer), io
+
+    return make
+
+
+def submit(io, rid, ids, **sp):
+    io.inbox.put(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params={"temperature": 0.0, **sp}))
+
+
+def drain(s: Scheduler, max_steps: int = 500) -> None:
+    for _ in range(max_steps):
+        s.step()
+        s.kv.cache.check_integrity()
+        pool = s.runner.kv_pool
+        held = sum(r.kv_len for r in s.running) + (s.chunked.kv_len if s.chunked else 0)
+        # every slot is free, cached, or held by a running request (shared prefixes counted once)
+        assert pool.free_size + s.kv.cache.total_size() <= pool.size
+        assert pool.free_size + s.kv.cache.evictable_size() + s.kv.cache.protected_size() + held >= pool.size
+        if not s.has_work:
+            return
+    raise AssertionError("scheduler did not go idle")
+
+
+def finished(io) -> dict[str, dict]:
+    out = {}
+    for msg in io.outbox:
+        if isinstance(msg, BatchTokenOut):
+            for rid, reason in zip(msg.rids, msg.finished_reasons):
+                if reason is not None:
+                    out[rid] = reason
+    return out
+
+
+def test_abort_frees_everything(make_scheduler):
+    s, io = make_scheduler(max_total_tokens=2048)
+    submit(io, "long", list(range(10, 60)), max_new_tokens=500, ignore_eos=True)
+    submit(io, "short", list(range(10, 30)), max_new_tokens=4)
+    for _ in range(5):
+        s.step()
+    assert s.running
+    io.inbox.put(AbortReq("long"))
+    drain(s)
+    assert finished(io)["long"] == {"type": "abort"}
+    assert s.kv.used == 0 and not s.reqs
+
+
+def test_request_larger_than_the_pool_is_refused(make_scheduler):
+    s, io = make_scheduler(max_total_tokens=64)
+    submit(io, "big", list(range(10, 50)), max_new_tokens=100)
+    submit(io, "ok", list(range(10, 20)), max_new_tokens=4)
+    drain(s)
+    errors = [m for m in io.outbox if isinstance(m, RequestErrorOut)]
+    assert len(errors) == 1 and errors[0].rid == "big" and "pool" in errors[0].message
+    assert finished(io)["ok"]["type"] == "length"
+
+
+def test_memory_pressure_never_deadlocks(make_scheduler):
+    s, io = make_scheduler(max_total_tokens=160, chunked_prefill_size=32)
+    for i in range(12):
+        submit(io, f"r{i}", [100 + i] * 3 + list(range(200, 230 + i)), max_new_tokens=40, ignore_eos=True)
+    drain(s, max_steps=5000)
+    done = finished(io)
+    assert len(done) == 12 and all(r["type"] == "length" for r in done.values())
+    assert s.counters["retractions"] > 0 and s.kv.used == 0
+
+
+def test_lpm_admits_the_longest_cached_prefix_first(make_scheduler):
+    s, io = make_scheduler(max_total_tokens=4096, max_running_requests=1)
+    shared = list(range(300, 400))
+    submit(io, "warm", shared + [1], max_new_tokens=1)
+    drain(s)
+    submit(io, "cold", list(range(500, 600)), max_new_tokens=3)
+    submit(io, "hot", shared + [2], max_new_tokens=3)
+    s.step()  # one request slot: lpm prefills the one with the cached prefix first
+    assert [r.rid for r in s.running] == ["hot"]
+    assert [r.rid for r in s.waiting] == ["cold"]
+
+
+def test_unknown_architecture_names_the_supported_ones(tiny_llama, tmp_path):
+    bad = tmp_path / "model"
+    shutil.copytree(tiny_llama, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    from plait.runtime.models import ModelConfig
+
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*LlamaForCausalLM"):
+        ModelConfig.from_dir(bad)
+
+
+def test_hub_name_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from plait.runtime.models import resolve_model_path
+
+    with pytest.raises(ValueError, match="not a local directory.*hub"):
+        resolve_model_path("some-org/some-model-that-is-not-here")
