@@ -106,8 +106,9 @@ class Timer:
         self.device = device
         self._flush = None
         if device.type == "cuda":
+            # several times L2, and long enough (~0.1 ms) to cover the launcher's Python
             l2 = torch.cuda.get_device_properties(device).L2_cache_size
-            self._flush = torch.empty(max(2 * l2, 1 << 20), dtype=torch.int8, device=device)
+            self._flush = torch.empty(max(4 * l2, 256 << 20), dtype=torch.int8, device=device)
 
     def median_ms(self, fn: Callable[[int], object], iters: int, warmup: int) -> float:
         for i in range(warmup):

@@ -29,6 +29,7 @@ _LOG2E = 1.0 / math.log(2.0)  # exp(x) == exp2(x * log2(e))
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MIN_DOT = 16  # tl.dot needs every block dimension >= 16
+_MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions (requests go there)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,10 +143,12 @@ def _extend_attn_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # grid: (request, query head, block of the request's new tokens)
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    m_start = tl.program_id(2) * BLOCK_M
+    # grid: (query head, block of the request's new tokens, request). Heads vary fastest, so
+    # the programs running together read the same K/V rows (L2 hits, not DRAM); the last
+    # (longest, causally) token blocks go first so the short ones fill the tail.
+    head = tl.program_id(0)
+    m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    req = tl.program_id(2)
     ext_len = tl.load(ExtendLens + req)
     if m_start >= ext_len:
         return
@@ -240,11 +243,12 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # grid: (request, kv head x block of its query heads, split of the KV positions).
-    # The query heads sharing a kv head are the rows of one tl.dot, so K/V are read once.
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_BLOCKS
-    split = tl.program_id(2)
+    # grid: (kv head x block of its query heads, split of the KV positions, request). The
+    # query heads sharing a kv head are the rows of one tl.dot, so K/V are read once; kv heads
+    # vary fastest, so programs running together read neighbouring bytes of the same slots.
+    kv_head = tl.program_id(0) // HEAD_BLOCKS
+    split = tl.program_id(1)
+    req = tl.program_id(2)
     seq_len = tl.load(SeqLens + req)
     split_len = _split_len(seq_len, num_kv_splits, BLOCK_N)
     split_start = split * split_len
@@ -254,7 +258,7 @@ def _decode_stage1_kernel(
     req_slot = tl.load(ReqPoolIdx + req).to(tl.int64)
     tok_row = ReqToToken + req_slot * stride_r2t
 
-    offs_g = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_g = (tl.program_id(0) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_g < GROUP
     heads = kv_head * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
@@ -583,6 +587,8 @@ def _check_meta(meta: AttentionMetadata, device: torch.device) -> _MetaFacts:
     if facts is not None:
         return facts
     batch = meta.batch_size
+    if batch > _MAX_GRID_YZ:
+        raise ValueError(f"a batch of {batch} requests exceeds the kernels' {_MAX_GRID_YZ}")
     _check_index("meta.req_to_token", meta.req_to_token, 2)
     _check_device("meta.req_to_token", meta.req_to_token, device)
     for name in ("req_pool_indices", "seq_lens", "prefix_lens", "extend_lens", "extend_start_loc"):
@@ -704,7 +710,7 @@ def extend_attention(
     _check_block("block_n", config.block_n)
     if facts.max_extend_len == 0:
         return out
-    grid = (meta.batch_size, q.shape[1], triton.cdiv(facts.max_extend_len, config.block_m))
+    grid = (q.shape[1], triton.cdiv(facts.max_extend_len, config.block_m), meta.batch_size)
     _extend_attn_kernel[grid](
         q, k_buffer, v_buffer, out,
         meta.req_to_token, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens,
@@ -775,7 +781,7 @@ def decode_attention(
     _check_device("workspace", mid_lse, q.device)
     if batch == 0:
         return out
-    grid1 = (batch, k_buffer.shape[1] * triton.cdiv(group, config.block_h), num_kv_splits)
+    grid1 = (k_buffer.shape[1] * triton.cdiv(group, config.block_h), num_kv_splits, batch)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, mid_o, mid_lse,
         meta.req_to_token, meta.req_pool_indices, meta.seq_lens,

@@ -182,7 +182,7 @@ def test_store_kv_casts_to_the_pool_dtype_and_accepts_no_tokens():
 
 
 def _store_args(**override):
-    b = random_attention_batch([0], [3], 2, 2, 16)
+    b = _batch(FP32, [0], [3], 2, 2, 16)
     args = {
         "k_buffer": b.k_buffer,
         "v_buffer": b.v_buffer,
@@ -256,7 +256,7 @@ def test_extend_attention_odd_head_dim_unequal_blocks_strided_q(target):
 
 
 def _extend_args(**override):
-    b = random_attention_batch([2, 0], [3, 4], 4, 2, 16)
+    b = _batch(FP32, [2, 0], [3, 4], 4, 2, 16)
     k_buffer, v_buffer = _stored_pool(b)
     args = {"q": b.q, "k_buffer": k_buffer, "v_buffer": v_buffer, "meta": b.meta, "scaling": 0.5}
     args.update({k: f(args) for k, f in override.items()})
@@ -369,7 +369,7 @@ def test_decode_attention_odd_head_dim_and_strided_q(target):
 
 
 def _decode_args(**override):
-    b = random_attention_batch([2, 0], [1, 1], 4, 2, 16, mode=ForwardMode.DECODE)
+    b = _batch(FP32, [2, 0], [1, 1], 4, 2, 16, mode=ForwardMode.DECODE)
     k_buffer, v_buffer = _stored_pool(b)
     args = {"q": b.q, "k_buffer": k_buffer, "v_buffer": v_buffer, "meta": b.meta, "scaling": 0.5}
     args.update({k: f(args) for k, f in override.items()})
@@ -398,9 +398,18 @@ def test_decode_attention_rejects_bad_arguments(override, message):
 
 
 def test_decode_attention_rejects_a_request_without_its_new_token():
-    b = random_attention_batch([0, 3], [2, 1], 2, 2, 16)  # an extend batch
+    b = _batch(FP32, [0, 3], [2, 1], 2, 2, 16)  # an extend batch
     with pytest.raises(ValueError, match="extend_len == 1 for every request"):
         ops.decode_attention(b.q[:2], b.k_buffer, b.v_buffer, b.meta, 0.5)
+
+
+def test_empty_batches_launch_nothing():
+    for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+        b = _batch(FP32, [], [], 4, 2, 16, mode=mode)
+        attention = ops.decode_attention if mode is ForwardMode.DECODE else ops.extend_attention
+        out = attention(b.q, b.k_buffer, b.v_buffer, b.meta, 0.5)
+        assert out.shape == (0, 4, 16)
+        ops.store_kv(b.k_buffer, b.v_buffer, b.meta.out_cache_loc, b.k_new, b.v_new)
 
 
 def test_default_num_kv_splits_stays_within_the_sequence():
