@@ -460,6 +460,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 MAX_KV_SPLITS = 64
+# Stage 1 should launch several waves of programs: about five fit on an SM at once (39 KiB of
+# shared memory each on sm_90), and with ~3 waves or more the last, partial wave costs little.
+_PROGRAMS_PER_SM = 16
+_MIN_SPLIT_BLOCKS = 2  # shorter splits spend more on the prologue and stage 2 than they save
 
 
 def default_num_kv_splits(
@@ -470,15 +474,17 @@ def default_num_kv_splits(
     device: torch.device,
     config: DecodeConfig | None = None,
 ) -> int:
-    """Enough KV splits that stage 1 launches about four programs per SM, but never a split
-    shorter than one block. Depends only on CPU-side sizes (no device sync)."""
+    """Enough KV splits that stage 1 launches ~16 programs per SM, but no split shorter than
+    two blocks. A heuristic, not a measurement: `TritonAttnBackend(num_kv_splits=...)` fixes
+    it. Depends only on CPU-side sizes (no device sync)."""
     group = num_heads // num_kv_heads
     config = config or decode_config(group, 0, torch.bfloat16, device_capability(device))
-    max_useful = max(1, min(MAX_KV_SPLITS, triton.cdiv(max_seq_len, config.block_n)))
+    max_useful = triton.cdiv(max_seq_len, _MIN_SPLIT_BLOCKS * config.block_n)
+    max_useful = max(1, min(MAX_KV_SPLITS, max_useful))
     if device.type != "cuda":
         return min(4, max_useful)
     programs = max(1, batch_size * num_kv_heads * triton.cdiv(group, config.block_h))
-    return max(1, min(max_useful, triton.cdiv(4 * _num_sms(device), programs)))
+    return max(1, min(max_useful, triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), programs)))
 
 
 def decode_workspace(
