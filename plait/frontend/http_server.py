@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 3.0  # /health: how long the scheduler may take to answer a stats probe
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+# on SIGINT/SIGTERM, requests in flight get this long to finish, then fail with 503
 GRACEFUL_SHUTDOWN_S = 5.0
 OPEN_PATHS = ("/health",)  # served without the API key
 
@@ -64,13 +65,16 @@ def create_app(
     )
     state.metrics = Metrics(args.model_name)
 
-    app.include_router(native_api.router)
-    app.include_router(openai_api.router)
+    routers = [native_api.router, openai_api.router]
+    for router in routers:
+        app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/health_generate", health_generate, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     _add_error_handlers(app)
-    routes = {getattr(r, "path", None) for r in app.routes} - {None}
+    # metric labels: known paths, everything else "other" (no unbounded label values)
+    routes = {r.path for router in routers for r in router.routes}
+    routes |= {"/health", "/health_generate", "/metrics"}
     app.add_middleware(Gate, api_key=args.api_key, routes=routes)
     return app
 
@@ -229,14 +233,38 @@ async def metrics(request: Request) -> Response:
 
 # ---------------------------------------------------------------------- launching
 class _Server(uvicorn.Server):
-    """uvicorn.Server that announces the URL once it accepts connections."""
+    """uvicorn.Server that announces the URL once it accepts connections, and on shutdown
+    fails the requests still running after the grace period (their streams end with an error
+    event) rather than letting uvicorn cancel their tasks mid-write."""
 
-    url = ""
+    def __init__(self, config: uvicorn.Config, app: FastAPI, url: str) -> None:
+        super().__init__(config)
+        self.app, self.url = app, url
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if not self.should_exit:
             print(f"plait server ready at {self.url}", flush=True)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.app.state.ready = False  # keep-alive connections get 503 from now on
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(
+            GRACEFUL_SHUTDOWN_S, fail_in_flight, self.app, "server is shutting down"
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def fail_in_flight(app: FastAPI, reason: str) -> None:
+    """Every unfinished request ends now with a 503 (its generator aborts it)."""
+    tm: TokenizerManager = app.state.tokenizer_manager
+    for state in list(tm.states.values()):
+        if state.finished_reason is None and state.error is None:
+            state.error = RequestError(reason, 503)
+            state.event.set()
 
 
 class _Terminated(SystemExit):
@@ -286,11 +314,9 @@ def launch_server(args: ServerArgs) -> None:
             port=args.port,
             log_level=args.log_level,
             access_log=args.log_level == "debug",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5,  # fail_in_flight comes first
         )
-        server = _Server(config)
-        server.url = args.url
-        server.run(sockets=[sock])
+        _Server(config, app, args.url).run(sockets=[sock])
     finally:
         sock.close()
         if runtime is not None:
