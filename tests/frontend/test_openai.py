@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import openai
@@ -208,3 +209,37 @@ def test_openai_client_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=10**6)
     assert e.value.param == "max_tokens"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema(client):
+    pytest.importorskip("plait.grammar.manager", reason="the grammar layer is not in this tree yet")
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
+    }
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=64, temperature=0, response_format=fmt
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="Pick:", max_tokens=8, extra_body={"choices": ["red", "green"]}
+    )
+    assert r.choices[0].text in ("red", "green")
+
+
+def test_invalid_constraint_is_a_400(client):
+    pytest.importorskip("plait.grammar.manager", reason="the grammar layer is not in this tree yet")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=4, extra_body={"regex": "(unclosed"}
+        )
+    assert client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices
