@@ -64,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         return generate(ns, args)
     except KeyboardInterrupt:
         return 130
+    except (ValueError, RuntimeError) as e:  # the model or a child failed to start
+        if args.log_level == "debug":
+            raise
+        print(f"plait {ns.command}: {e}", file=sys.stderr)
+        return 1
 
 
 def generate(ns: argparse.Namespace, args: ServerArgs) -> int:

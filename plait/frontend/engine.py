@@ -12,7 +12,7 @@ import threading
 from typing import Any, Iterator
 
 from plait.args import ServerArgs
-from plait.frontend.launch import launch_runtime
+from plait.frontend.launch import launch_with_tokenizer
 from plait.frontend.tokenizer_manager import GenerateInput, ReqState, RequestError, TokenizerManager
 from plait.sampling import SamplingParams
 
@@ -23,12 +23,7 @@ class Engine:
             self.args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         except TypeError as e:
             raise TypeError(f"Engine: {e}") from None
-        self._runtime = launch_runtime(self.args)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            self.args.tokenizer_path or self._runtime.model_path
-        )
+        self._runtime, self.tokenizer = launch_with_tokenizer(self.args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="plait-engine", daemon=True)
         self._thread.start()

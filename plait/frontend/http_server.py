@@ -293,9 +293,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def launch_server(args: ServerArgs) -> None:
     """Start the runtime's processes, then serve HTTP until SIGINT/SIGTERM; every child is
     stopped on the way out."""
-    from transformers import AutoTokenizer
-
-    from plait.frontend.launch import launch_runtime
+    from plait.frontend.launch import launch_with_tokenizer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s frontend %(levelname)s %(message)s"
@@ -304,8 +302,7 @@ def launch_server(args: ServerArgs) -> None:
     signal.signal(signal.SIGTERM, _terminate)  # uvicorn takes over once it runs
     runtime = None
     try:
-        runtime = launch_runtime(args)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or runtime.model_path)
+        runtime, tokenizer = launch_with_tokenizer(args)
         tm = TokenizerManager(args, tokenizer, runtime.model_info, runtime.addrs, runtime.procs)
         app = create_app(tm, args, runtime=runtime)
         config = uvicorn.Config(

@@ -144,3 +144,25 @@ def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
         rt.shutdown()
         raise
     return rt
+
+
+def launch_with_tokenizer(args: ServerArgs) -> tuple[RuntimeProcesses, Any]:
+    """launch_runtime, with the frontend's tokenizer loading in a thread meanwhile: start-up
+    takes the longer of the two instead of their sum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model_path = resolve_model_path(args.resolved_model_path)
+    with ThreadPoolExecutor(1) as pool:
+        tokenizer = pool.submit(_load_tokenizer, args.tokenizer_path or model_path)
+        runtime = launch_runtime(args.replace(model_path=model_path))
+        try:
+            return runtime, tokenizer.result()
+        except BaseException:
+            runtime.shutdown()
+            raise
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
