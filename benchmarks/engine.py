@@ -28,6 +28,18 @@ class PlaitEngine:
         import plait
 
         self.name = name
+        self._spec = (model, kwargs)
+        self.engine = plait.Engine(model, **kwargs)
+
+    def restart(self) -> None:
+        """A fresh engine (after one whose scheduler died)."""
+        import plait
+
+        try:
+            self.engine.shutdown()
+        except Exception:
+            pass
+        model, kwargs = self._spec
         self.engine = plait.Engine(model, **kwargs)
 
     def run(self, w: wl.Workload) -> int:
@@ -38,8 +50,25 @@ class PlaitEngine:
         )
         return sum(len(o["output_ids"]) for o in outs)
 
+    # the suite interface (benchmarks/run.py): generate for workloads.run_workload, timed run
+    def generate(self, prompts, max_new_tokens, json_schema=None, ignore_eos=True) -> list[list[int]]:
+        sp = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": ignore_eos}
+        if json_schema:
+            sp["json_schema"] = json_schema
+        return [o["output_ids"] for o in self.engine.generate(input_ids=prompts, sampling_params=sp)]
+
+    def run_suite(self, w: wl.SuiteWorkload) -> tuple[float, list[list[int]]]:
+        self.engine.flush_cache()
+        return _timed(self.generate, w)
+
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def _timed(generate, w: wl.SuiteWorkload) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outputs = wl.run_workload(generate, w)
+    return time.perf_counter() - start, outputs
 
 
 class HFOneAtATime:
@@ -61,8 +90,76 @@ class HFOneAtATime:
             total += g.shape[1] - len(p)
         return total
 
+    # the suite interface (benchmarks/run.py)
+    @torch.inference_mode()
+    def generate(self, prompts, max_new_tokens, json_schema=None, ignore_eos=True) -> list[list[int]]:
+        return [self._generate_batch([p], max_new_tokens, json_schema, ignore_eos)[0] for p in prompts]
+
+    def _generate_batch(self, prompts, max_new_tokens, json_schema, ignore_eos) -> list[list[int]]:
+        """Greedy generate for a batch, left-padded; outputs cut at the first EOS."""
+        pad = self.model.generation_config.pad_token_id
+        pad = pad if isinstance(pad, int) else 0
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        kwargs = {}
+        if json_schema:
+            kwargs["logits_processor"] = [self._json_processor(json_schema)]
+        if ignore_eos:
+            kwargs["min_new_tokens"] = max_new_tokens
+        g = self.model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=pad, **kwargs,
+        )
+        outs = g[:, width:].tolist()
+        if ignore_eos:
+            return outs
+        eos = set(self._eos_ids())
+        return [o[: next((i for i, t in enumerate(o) if t in eos), len(o))] for o in outs]
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    def _json_processor(self, schema: str):
+        """xgrammar's transformers LogitsProcessor (one per generate call)."""
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        if getattr(self, "_compiler", None) is None:
+            tok = AutoTokenizer.from_pretrained(self.model.name_or_path)
+            info = xgr.TokenizerInfo.from_huggingface(
+                tok, vocab_size=self.model.config.vocab_size, stop_token_ids=self._eos_ids()
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+            self._compiled = {}
+        if schema not in self._compiled:
+            self._compiled[schema] = self._compiler.compile_json_schema(schema)
+        return LogitsProcessor(self._compiled[schema])
+
+    def run_suite(self, w: wl.SuiteWorkload) -> tuple[float, list[list[int]]]:
+        return _timed(self.generate, w)
+
     def close(self) -> None:
         pass
+
+
+class HFStaticBatch(HFOneAtATime):
+    """transformers `generate` on static batches of `batch_size` prompts, left-padded."""
+
+    def __init__(self, model: str, batch_size: int = 16) -> None:
+        super().__init__(model)
+        self.name = f"transformers (static batch {batch_size})"
+        self.batch_size = batch_size
+
+    @torch.inference_mode()
+    def generate(self, prompts, max_new_tokens, json_schema=None, ignore_eos=True) -> list[list[int]]:
+        outs: list[list[int]] = []
+        for i in range(0, len(prompts), self.batch_size):
+            chunk = prompts[i : i + self.batch_size]
+            outs += self._generate_batch(chunk, max_new_tokens, json_schema, ignore_eos)
+        return outs
 
 
 def measure(engines, workloads, repeats: int) -> dict:

