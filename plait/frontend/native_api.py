@@ -252,27 +252,8 @@ class GenerateRequest:
 
 
 def parse_generate(body: dict[str, Any]) -> GenerateRequest:
-    unknown = sorted(set(body) - set(GENERATE_FIELDS) - set(UNSUPPORTED_GENERATE_FIELDS))
-    if unknown:
-        raise RequestError(
-            f"{unknown[0]}: unknown field (known: {', '.join(GENERATE_FIELDS)})", 400, unknown[0]
-        )
-    for name in UNSUPPORTED_GENERATE_FIELDS:
-        if body.get(name):
-            raise RequestError(f"{name}: not supported by plait", 400, name)
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise RequestError("text: give exactly one of text or input_ids", 400, "text")
-    if text is not None:
-        batched = isinstance(text, list)
-        prompts = [("text", p) for p in (text if batched else [text])]
-    else:
-        if not isinstance(input_ids, list) or not input_ids:
-            raise RequestError("input_ids: must be a non-empty list of token ids", 400, "input_ids")
-        batched = isinstance(input_ids[0], list)
-        prompts = [("input_ids", p) for p in (input_ids if batched else [input_ids])]
-    if not prompts:
-        raise RequestError("text: the batch is empty", 400, "text")
+    _check_fields(body)
+    prompts, batched = _prompts(body)
     stream = _flag(body, "stream")
     per_prompt = {
         name: _per_prompt(body, name, len(prompts), batched)
@@ -286,21 +267,12 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
     }
     inputs = []
     for i, (key, prompt) in enumerate(prompts):
-        sp = _sampling(per_prompt["sampling_params"][i])
-        rid = per_prompt["rid"][i]
-        if rid is not None and not isinstance(rid, str):
-            raise RequestError("rid: must be a string", 400, "rid")
-        return_logprob = per_prompt["return_logprob"][i]
-        if return_logprob is not None and not isinstance(return_logprob, bool):
-            raise RequestError("return_logprob: must be a boolean", 400, "return_logprob")
-        start = per_prompt["logprob_start_len"][i]
-        top_n = per_prompt["top_logprobs_num"][i]
-        for name, value in (("logprob_start_len", start), ("top_logprobs_num", top_n)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise RequestError(f"{name}: must be an integer", 400, name)
-        if top_n is not None and not 0 <= top_n <= 1000:
-            raise RequestError("top_logprobs_num: must be in [0, 1000]", 400, "top_logprobs_num")
-        subs = expand_n(sp)
+        rid, return_logprob, start, top_n = (
+            per_prompt[name][i]
+            for name in ("rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+        )
+        _check_types(rid, return_logprob, start, top_n)
+        subs = expand_n(_sampling(per_prompt["sampling_params"][i]))
         for j, sub in enumerate(subs):
             inputs.append(
                 GenerateInput(
@@ -319,6 +291,47 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
         stream,
         _flag(body, "return_text_in_logprobs"),
     )
+
+
+def _check_fields(body: dict[str, Any]) -> None:
+    unknown = sorted(set(body) - set(GENERATE_FIELDS) - set(UNSUPPORTED_GENERATE_FIELDS))
+    if unknown:
+        raise RequestError(
+            f"{unknown[0]}: unknown field (known: {', '.join(GENERATE_FIELDS)})", 400, unknown[0]
+        )
+    for name in UNSUPPORTED_GENERATE_FIELDS:
+        if body.get(name):
+            raise RequestError(f"{name}: not supported by plait", 400, name)
+
+
+def _prompts(body: dict[str, Any]) -> tuple[list[tuple[str, Any]], bool]:
+    """[("text" | "input_ids", prompt)], and whether the body is a batch."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise RequestError("text: give exactly one of text or input_ids", 400, "text")
+    if text is not None:
+        batched = isinstance(text, list)
+        prompts = [("text", p) for p in (text if batched else [text])]
+    else:
+        if not isinstance(input_ids, list) or not input_ids:
+            raise RequestError("input_ids: must be a non-empty list of token ids", 400, "input_ids")
+        batched = isinstance(input_ids[0], list)
+        prompts = [("input_ids", p) for p in (input_ids if batched else [input_ids])]
+    if not prompts:
+        raise RequestError("text: the batch is empty", 400, "text")
+    return prompts, batched
+
+
+def _check_types(rid: Any, return_logprob: Any, start: Any, top_n: Any) -> None:
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError("rid: must be a string", 400, "rid")
+    if return_logprob is not None and not isinstance(return_logprob, bool):
+        raise RequestError("return_logprob: must be a boolean", 400, "return_logprob")
+    for name, value in (("logprob_start_len", start), ("top_logprobs_num", top_n)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RequestError(f"{name}: must be an integer", 400, name)
+    if top_n is not None and not 0 <= top_n <= 1000:
+        raise RequestError("top_logprobs_num: must be in [0, 1000]", 400, "top_logprobs_num")
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:

@@ -8,9 +8,10 @@ SGLang sampling fields (top_k, min_p, ...) are accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -396,7 +397,13 @@ async def completions(request: Request) -> Response:
         "model": request.app.state.model_name,
     }
     if req.stream:
-        return await _stream_completions(request, req, inputs, head, texts)
+        return await stream_response(
+            request,
+            inputs,
+            head,
+            _completion_chunks(req, texts),
+            usage_n=req.n if _include_usage(req) else None,
+        )
     states = await run(request, inputs)
     choices = []
     for i, s in enumerate(states):
@@ -430,52 +437,6 @@ def _prompt_text(tokenizer, prompt: dict[str, Any]) -> str:
     return prompt["text"] if "text" in prompt else tokenizer.decode(prompt["input_ids"])
 
 
-async def _stream_completions(request, req, inputs, head, texts) -> Response:
-    first, rest = await open_stream(request, inputs)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    metrics = request.app.state.metrics
-
-    def chunk(choices: list[dict], usage_: dict | None = None) -> bytes:
-        body = {**head, "choices": choices}
-        if include_usage:
-            body["usage"] = usage_
-        return sse(body)
-
-    async def events() -> AsyncIterator[bytes]:
-        sent_text = [0] * len(inputs)
-        sent_tokens = [0] * len(inputs)
-        finals: list[ReqState | None] = [None] * len(inputs)
-        item: tuple[int, ReqState] | None = first
-        try:
-            while item is not None:
-                i, s = item
-                text = s.text[sent_text[i] :]
-                end = len(s.output_token_logprobs)
-                reason = finish_reason(s)
-                if text or reason or end > sent_tokens[i]:
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs = completion_logprobs(s, sent_tokens[i], end, texts, sent_text[i])
-                    yield chunk(
-                        [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}]
-                    )
-                sent_text[i], sent_tokens[i] = len(s.text), end
-                if reason is not None:
-                    finals[i] = s
-                    metrics.observe_stream(s)
-                item = await rest.__anext__()
-        except StopAsyncIteration:
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(finals, req.n)})
-        except Exception as e:
-            yield stream_error(e)
-        finally:
-            await rest.aclose()
-        yield SSE_DONE
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_json(request))
@@ -506,7 +467,15 @@ async def chat_completions(request: Request) -> Response:
         "model": request.app.state.model_name,
     }
     if req.stream:
-        return await _stream_chat(request, req, inputs, head, texts)
+        roles = [_chat_choice(i, {"role": "assistant", "content": ""}) for i in range(len(inputs))]
+        return await stream_response(
+            request,
+            inputs,
+            {**head, "object": "chat.completion.chunk"},
+            _chat_chunks(req, texts),
+            first_chunks=roles,
+            usage_n=req.n if _include_usage(req) else None,
+        )
     states = await run(request, inputs)
     choices = [
         {
@@ -522,54 +491,109 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse({**head, "choices": choices, "usage": usage(states, req.n)})
 
 
-async def _stream_chat(request, req, inputs, head, texts) -> Response:
-    first, rest = await open_stream(request, inputs)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    head = {**head, "object": "chat.completion.chunk"}
-    metrics = request.app.state.metrics
+# ---------------------------------------------------------------------- streaming
+@dataclasses.dataclass
+class Delta:
+    """What one choice produced since its previous chunk."""
 
-    def chunk(i: int, delta: dict, reason: str | None = None, logprobs: Any = None) -> bytes:
-        body = {
-            **head,
-            "choices": [
-                {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-            ],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+    index: int
+    state: ReqState
+    text: str
+    text_offset: int  # where `text` starts in the choice's whole text
+    tokens: tuple[int, int]  # [start, end) of its new output tokens (for logprobs)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return finish_reason(self.state)
+
+
+async def stream_response(
+    request: Request,
+    inputs: list[GenerateInput],
+    head: dict[str, Any],
+    render: Callable[[Delta], list[dict]],
+    first_chunks: list[dict] | None = None,
+    usage_n: int | None = None,
+) -> Response:
+    """SSE response of OpenAI chunks: `render` turns each Delta into chunk bodies (without
+    the shared `head` fields); with usage_n (= n) a last chunk carries the usage."""
+    first, rest = await open_stream(request, inputs)
+    metrics = request.app.state.metrics
+    usage_field = {"usage": None} if usage_n is not None else {}
 
     async def events() -> AsyncIterator[bytes]:
-        sent_text = [0] * len(inputs)
-        sent_tokens = [0] * len(inputs)
-        finals: list[ReqState | None] = [None] * len(inputs)
-        for i in range(len(inputs)):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        item: tuple[int, ReqState] | None = first
+        finals: dict[int, ReqState] = {}
         try:
-            while item is not None:
-                i, s = item
-                text = s.text[sent_text[i] :]
-                end = len(s.output_token_logprobs)
-                if text or end > sent_tokens[i]:
-                    logprobs = (
-                        chat_logprobs(s, sent_tokens[i], end, texts) if req.logprobs else None
-                    )
-                    yield chunk(i, {"content": text}, None, logprobs)
-                sent_text[i], sent_tokens[i] = len(s.text), end
-                reason = finish_reason(s)
-                if reason is not None:
-                    finals[i] = s
-                    metrics.observe_stream(s)
-                    yield chunk(i, {}, reason)
-                item = await rest.__anext__()
-        except StopAsyncIteration:
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(finals, req.n)})
+            for body in first_chunks or []:
+                yield sse({**head, **body, **usage_field})
+            async for delta in _deltas(first, rest, len(inputs)):
+                for body in render(delta):
+                    yield sse({**head, **body, **usage_field})
+                if delta.state.finished_reason is not None:
+                    finals[delta.index] = delta.state
+                    metrics.observe_stream(delta.state)
+            if usage_n is not None:
+                states = [finals[i] for i in sorted(finals)]
+                yield sse({**head, "choices": [], "usage": usage(states, usage_n)})
         except Exception as e:
-            yield stream_error(e)
+            yield stream_error(openai_error(e) if isinstance(e, RequestError) else e)
         finally:
             await rest.aclose()
         yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _deltas(first, rest, num_choices: int) -> AsyncIterator[Delta]:
+    sent_text, sent_tokens = [0] * num_choices, [0] * num_choices
+    item = first
+    while True:
+        i, state = item
+        end = len(state.output_token_logprobs)
+        yield Delta(i, state, state.text[sent_text[i] :], sent_text[i], (sent_tokens[i], end))
+        sent_text[i], sent_tokens[i] = len(state.text), end
+        try:
+            item = await rest.__anext__()
+        except StopAsyncIteration:
+            return
+
+
+def _completion_chunks(req: CompletionRequest, texts: TokenTexts) -> Callable[[Delta], list[dict]]:
+    def render(d: Delta) -> list[dict]:
+        if not (d.text or d.finish_reason or d.tokens[1] > d.tokens[0]):
+            return []
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(d.state, *d.tokens, texts, d.text_offset)
+        choice = {
+            "index": d.index,
+            "text": d.text,
+            "logprobs": logprobs,
+            "finish_reason": d.finish_reason,
+        }
+        return [{"choices": [choice]}]
+
+    return render
+
+
+def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts) -> Callable[[Delta], list[dict]]:
+    def render(d: Delta) -> list[dict]:
+        chunks = []
+        if d.text or d.tokens[1] > d.tokens[0]:
+            logprobs = chat_logprobs(d.state, *d.tokens, texts) if req.logprobs else None
+            chunks.append(_chat_choice(d.index, {"content": d.text}, logprobs=logprobs))
+        if d.finish_reason is not None:
+            chunks.append(_chat_choice(d.index, {}, d.finish_reason))
+        return chunks
+
+    return render
+
+
+def _chat_choice(index: int, delta: dict, reason: str | None = None, logprobs: Any = None) -> dict:
+    return {
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]
+    }
+
+
+def _include_usage(req: _Sampling) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)

@@ -143,6 +143,33 @@ def test_chat_logprobs(client):
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
 
 
+def test_streamed_logprobs_match(client):
+    kwargs = dict(
+        model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    full = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [
+        t
+        for c in client.chat.completions.create(**kwargs, stream=True)
+        for ch in c.choices
+        if ch.logprobs
+        for t in ch.logprobs.content
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in full]
+    full = client.completions.create(
+        model=MODEL_NAME, prompt="abc", max_tokens=5, temperature=0, logprobs=1
+    ).choices[0]
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=MODEL_NAME, prompt="abc", max_tokens=5, temperature=0, logprobs=1, stream=True
+        )
+    ]
+    assert sum((c.logprobs.tokens for c in chunks if c.logprobs), []) == full.logprobs.tokens
+    offsets = sum((c.logprobs.text_offset for c in chunks if c.logprobs), [])
+    assert offsets == full.logprobs.text_offset
+
+
 def test_stop_string(client):
     base = dict(model=MODEL_NAME, prompt="Count: one two three", temperature=0)
     text = client.completions.create(**base, max_tokens=12).choices[0].text
