@@ -35,6 +35,7 @@ class Runtime:
         log_file: str | None = None,
         **server_args: Any,
     ) -> None:
+        server_args.setdefault("log_level", "warning")  # a library should not chatter
         if "port" not in server_args:
             server_args["port"] = free_port(server_args.get("host", "127.0.0.1"))
         try:
