@@ -1,0 +1,55 @@
+"""JSON-schema `format`s as exact regexes for the string's value.
+
+Each regex accepts only strings that the strictest common checker accepts (jsonschema's
+FORMAT_CHECKER, Python's datetime/ipaddress/uuid parsers): a subset of the format, never more.
+Neither backend's own format support is used: both were found to accept invalid values
+(xgrammar: 2020-02-30, ipv4 leading zeros; outlines: Unicode digits in dates, time without
+offset). Spec formats missing here are refused; non-spec formats ("int32", "password") are
+annotations and ignored.
+"""
+
+from __future__ import annotations
+
+_YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"  # 0001-9999 (Python's range)
+# leap years; 0000 is left out (Python's date starts at year 1)
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = (
+    r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+    r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    r"|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+DATE = rf"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+_TIME_OFFSET = r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+# RFC 3339 full-time; no leap second (60): Python's datetime rejects it
+TIME = rf"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{{1,6}})?{_TIME_OFFSET}"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HEX4 = r"[0-9a-f]{1,4}"
+
+FORMAT_PATTERNS: dict[str, str] = {
+    "date": DATE,
+    "time": TIME,
+    "date-time": rf"{DATE}T{TIME}",
+    "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
+    # the full eight-group form only (a subset of RFC 4291 text forms)
+    "ipv6": rf"{_HEX4}(?::{_HEX4}){{7}}",
+    # at most 3 labels of <= 63 characters: well under the 253-character limit
+    "hostname": rf"{_LABEL}(?:\.{_LABEL}){{0,2}}",
+    "email": rf"[A-Za-z0-9_%+-]+(?:\.[A-Za-z0-9_%+-]+)*@{_LABEL}(?:\.{_LABEL}){{1,2}}",
+    "uri": (
+        rf"https?://{_LABEL}(?:\.{_LABEL}){{0,2}}(?::[1-9][0-9]{{0,3}})?"
+        r"(?:/[A-Za-z0-9._~%!$&'()*+,;=:@-]*)*(?:\?[A-Za-z0-9._~%!$&'()*+,;=:@/?-]*)?"
+    ),
+}
+
+# Formats defined by JSON Schema 2020-12 (and earlier drafts): asserting validators check these,
+# so one we cannot enforce must be refused rather than ignored.
+SPEC_FORMATS = frozenset(
+    {
+        "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+        "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
+        "uri-template", "json-pointer", "relative-json-pointer", "regex", "color", "host-name",
+        "ip-address", "utc-millisec",
+    }
+)

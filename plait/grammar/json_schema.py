@@ -1,0 +1,748 @@
+"""JSON schema -> a small core schema that a backend enforces exactly, or GrammarError.
+
+Both backends were tested keyword by keyword (compile, random-walk outputs, validate with
+jsonschema): each silently ignores some keywords and gets others subtly wrong (see
+`tests/grammar/test_keyword_probes.py`). So a schema never reaches a backend as written. It is
+rewritten into a core that uses only:
+
+    type (one name) | enum | anyOf | $ref to #/$defs/<name> | {} (anything)
+    string: pattern (printed by plait: escapes, lengths and formats folded in)
+    integer/number: minimum, maximum, exclusiveMinimum, exclusiveMaximum, multipleOf (integer)
+    object: properties, required, additionalProperties, patternProperties, propertyNames,
+            minProperties, maxProperties
+    array: items, prefixItems, minItems, maxItems
+
+Every other assertion keyword is either rewritten exactly into those (allOf -> merged,
+oneOf -> anyOf when its branches provably cannot overlap, enum/const filtered by the sibling
+keywords with jsonschema itself, type lists -> anyOf, draft-4 forms, `items` arrays) or refused
+with a GrammarError naming the keyword and its JSON path. Outputs may be a *subset* of what the
+schema allows (objects and arrays carry only declared members, patterns match whole strings,
+one spelling per escape), never a superset. Annotations and unknown keywords have no validation
+effect and are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import jsonschema.validators
+
+from plait.grammar.base import GrammarError
+from plait.grammar.formats import FORMAT_PATTERNS, SPEC_FORMATS
+from plait.grammar.regex_syntax import json_string_regex
+
+# Keywords with a validation effect in some draft (3 to 2020-12). Everything else is an
+# annotation (title, description, default, examples, $comment, readOnly, ...) or unknown.
+STRING_KEYWORDS = frozenset({"minLength", "maxLength", "pattern", "format"})
+NUMBER_KEYWORDS = frozenset(
+    {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "divisibleBy"}
+)
+OBJECT_KEYWORDS = frozenset(
+    {
+        "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+        "minProperties", "maxProperties", "dependentRequired", "dependentSchemas",
+        "dependencies", "unevaluatedProperties",
+    }
+)
+ARRAY_KEYWORDS = frozenset(
+    {
+        "items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
+        "contains", "minContains", "maxContains", "unevaluatedItems",
+    }
+)
+GENERAL_KEYWORDS = frozenset(
+    {
+        "type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref",
+        "$dynamicRef", "$recursiveRef", "disallow", "extends",
+    }
+)
+ASSERTION_KEYWORDS = (
+    STRING_KEYWORDS | NUMBER_KEYWORDS | OBJECT_KEYWORDS | ARRAY_KEYWORDS | GENERAL_KEYWORDS
+)
+ANNOTATION_KEYWORDS = (
+    "title", "description", "$schema", "$id", "id", "examples", "default", "$comment",
+    "deprecated", "readOnly", "writeOnly", "$anchor", "$dynamicAnchor", "$defs", "definitions",
+    "contentEncoding", "contentMediaType", "contentSchema", "$vocabulary",
+)
+# keywords every backend enforces once plait has rewritten the schema (some conditionally:
+# oneOf if disjoint, allOf if mergeable, uniqueItems if trivially true, formats in formats.py)
+CORE_KEYWORDS = frozenset(
+    {
+        "type", "enum", "const", "allOf", "anyOf", "oneOf", "$ref", "properties", "required",
+        "additionalProperties", "items", "prefixItems", "additionalItems", "minItems",
+        "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "format",
+        "unevaluatedProperties", "unevaluatedItems",
+    }
+)
+_FAMILY_TYPE = (
+    [(k, "string") for k in STRING_KEYWORDS]
+    + [(k, "number") for k in NUMBER_KEYWORDS]
+    + [(k, "object") for k in OBJECT_KEYWORDS]
+    + [(k, "array") for k in ARRAY_KEYWORDS]
+)
+FAMILY_OF = dict(_FAMILY_TYPE)
+JSON_TYPES = ("string", "number", "integer", "object", "array", "boolean", "null")
+_MIN_KEYWORDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
+_MAX_KEYWORDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
+_MAX_MERGE_DEPTH = 32
+
+
+@dataclass(frozen=True)
+class SchemaPolicy:
+    """What one backend enforces: the assertion keywords it may receive (after rewriting)."""
+
+    backend: str
+    supported: frozenset[str]
+
+    def refused(self) -> list[str]:
+        return sorted(ASSERTION_KEYWORDS - self.supported)
+
+
+def parse_schema(spec: str) -> Any:
+    try:
+        schema = json.loads(spec)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise GrammarError(f"json_schema: not valid JSON ({e})", "json_schema") from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError("json_schema: a schema must be a JSON object or a boolean", "json_schema")
+    return schema
+
+
+def prepare_schema(spec: str, policy: SchemaPolicy) -> dict:
+    """The core schema for `spec` (canonical JSON text), or GrammarError."""
+    root = parse_schema(spec)
+    try:
+        return _Normalizer(root, policy).run()
+    except RecursionError:
+        raise GrammarError("json_schema: schema nested too deeply", "json_schema") from None
+
+
+def _at(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if re.fullmatch(r"[A-Za-z_$][\w$-]*", key) else f"{path}[{key!r}]"
+
+
+def _error(message: str) -> GrammarError:
+    return GrammarError(f"json_schema: {message}", "json_schema")
+
+
+def _unsatisfiable(path: str, why: str) -> GrammarError:
+    return _error(f"the schema at {path} cannot be satisfied ({why})")
+
+
+def _canon(value: Any) -> str:
+    """JSON identity as jsonschema sees it (1 == 1.0, but True != 1)."""
+
+    def norm(v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        return v
+
+    return json.dumps(norm(value), sort_keys=True)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def _assertions(schema: dict) -> dict:
+    return {k: v for k, v in schema.items() if k in ASSERTION_KEYWORDS}
+
+
+def _without(schema: dict, *keys: str) -> dict:
+    return {k: v for k, v in schema.items() if k not in keys}
+
+
+def _all_of(a: Any, b: Any) -> Any:
+    """Conjunction of two raw schemas, simplified where trivial."""
+    if a is True or a == {} or a is None:
+        return b
+    if b is True or b == {} or b is None or _canon(a) == _canon(b):
+        return a
+    if a is False or b is False:
+        return False
+    return {"allOf": [a, b]}
+
+
+class _Normalizer:
+    def __init__(self, root: Any, policy: SchemaPolicy) -> None:
+        self.root = root
+        self.policy = policy
+        self.validator = self._validator(root)
+        self.def_names: dict[str, str] = {}  # JSON pointer -> name in the output $defs
+        self.defs: dict[str, Any] = {}
+
+    @staticmethod
+    def _validator(root: Any):
+        """jsonschema's validator for the schema's draft (the reference for enum filtering).
+        Without $schema, the newest draft whose meta-schema accepts the schema: real schemas
+        often use draft-4/7 forms (boolean exclusiveMinimum, items as a list) undeclared."""
+        if isinstance(root, dict) and "$schema" in root:
+            candidates = [jsonschema.validators.validator_for(root)]
+        else:
+            candidates = [jsonschema.Draft202012Validator, jsonschema.Draft7Validator,
+                          jsonschema.Draft4Validator]
+        first_error = None
+        for cls in candidates:
+            try:
+                cls.check_schema(root)
+            except jsonschema.SchemaError as e:
+                first_error = first_error or e
+                continue
+            return cls(root, format_checker=cls.FORMAT_CHECKER)
+        where = "$" + "".join(f"[{p!r}]" for p in first_error.path)
+        raise _error(f"invalid schema at {where}: {first_error.message}")
+
+    def run(self) -> dict:
+        core = self.node(self.root, "$")
+        if core is False:
+            raise _unsatisfiable("$", "it is false")
+        return {**core, "$defs": self.defs} if self.defs else core
+
+    # ------------------------------------------------------------------ dispatch
+    def need(self, keyword: str, path: str) -> None:
+        if keyword not in self.policy.supported:
+            raise _error(
+                f"keyword '{keyword}' at {path} is not supported by the {self.policy.backend} "
+                "grammar backend (it would not be enforced)"
+            )
+
+    def node(self, schema: Any, path: str) -> Any:
+        """Raw schema -> core schema, or False (nothing matches)."""
+        if schema is True:
+            return {}
+        if schema is False:
+            return False
+        if not isinstance(schema, dict):
+            raise _error(f"{path} is not a schema (expected an object or a boolean)")
+        s = _assertions(schema)
+        if "enum" in s or "const" in s:
+            return self.enum(schema, s, path)
+        if "$ref" in s:
+            if len(s) == 1:
+                return self.ref(s["$ref"], path)
+            return self.node(self.merge_all([{"$ref": s["$ref"]}, _without(s, "$ref")], path), path)
+        if "allOf" in s:
+            return self.node(self.merge_all(list(s["allOf"]) + [_without(s, "allOf")], path), path)
+        if "anyOf" in s or "oneOf" in s:
+            return self.union(s, path)
+        self.check_general(s, path)
+        return self.typed(s, path)
+
+    def check_general(self, s: dict, path: str) -> None:
+        for keyword in s:
+            if keyword in ("then", "else") or keyword in FAMILY_OF or keyword == "type":
+                continue  # then/else act only with `if`; family keywords are checked per type
+            if keyword == "if" and "then" not in s and "else" not in s:
+                continue  # `if` alone asserts nothing
+            self.need(keyword, path)
+
+    # ------------------------------------------------------------------ enum / const
+    def enum(self, schema: dict, s: dict, path: str) -> Any:
+        if "enum" in s and not isinstance(s["enum"], list):
+            raise _error(f"enum at {path} must be a list")
+        values = list(s["enum"]) if "enum" in s else [s["const"]]
+        if "enum" in s and "const" in s:
+            values = [v for v in values if _canon(v) == _canon(s["const"])]
+        rest = _without(s, "enum", "const")
+        if rest:  # other keywords: keep exactly the values that pass them (jsonschema decides)
+            values = [v for v in values if self.is_valid(v, rest, path)]
+        unique = list({_canon(v): v for v in values}.values())
+        if not unique:
+            raise _unsatisfiable(path, "no value of enum/const passes the other keywords")
+        return {"const": unique[0]} if len(unique) == 1 else {"enum": unique}
+
+    def is_valid(self, value: Any, schema: dict, path: str) -> bool:
+        try:
+            return self.validator.evolve(schema=schema).is_valid(value)
+        except Exception as e:  # noqa: BLE001 - unresolvable $ref, bad pattern, ...
+            raise _error(f"cannot check enum/const values at {path}: {e}") from None
+
+    # ------------------------------------------------------------------ $ref
+    def ref(self, ref: Any, path: str) -> dict:
+        pointer = self.pointer_of(ref, path)
+        name = self.def_names.get(pointer)
+        if name is None:
+            name = f"d{len(self.def_names)}"
+            self.def_names[pointer] = name
+            self.defs[name] = {}  # placeholder while a recursive definition refers to itself
+            core = self.node(self.resolve(pointer, path), "$" + pointer.replace("/", "."))
+            if core is False:
+                raise _unsatisfiable(path, f"$ref {ref!r} is false")
+            self.defs[name] = core
+        return {"$ref": f"#/$defs/{name}"}
+
+    def pointer_of(self, ref: Any, path: str) -> str:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise _error(
+                f"$ref {ref!r} at {path} is not supported: only references inside the schema "
+                "(#/...) are"
+            )
+        return ref[1:]
+
+    def resolve(self, pointer: str, path: str) -> Any:
+        target = self.root
+        for part in pointer.split("/")[1:]:
+            key = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and key.isdigit() and int(key) < len(target):
+                target = target[int(key)]
+            elif isinstance(target, dict) and key in target:
+                target = target[key]
+            else:
+                raise _error(f"$ref '#{pointer}' at {path} does not resolve")
+        return target
+
+    # ------------------------------------------------------------------ allOf (merging)
+    def merge_all(self, schemas: list, path: str) -> Any:
+        merged: Any = {}
+        for i, schema in enumerate(schemas):
+            merged = self.merge(merged, self.inline(schema, _at(path, i), ()), path)
+        return merged
+
+    def inline(self, schema: Any, path: str, stack: tuple[str, ...]) -> Any:
+        """A raw schema with top-level $ref and allOf expanded (for merging)."""
+        if schema is True or schema is False:
+            return {} if schema else False
+        if not isinstance(schema, dict):
+            raise _error(f"{path} is not a schema")
+        if len(stack) > _MAX_MERGE_DEPTH:
+            raise _error(f"allOf/$ref at {path} nests too deeply to merge")
+        out: Any = _without(schema, "$ref", "allOf")
+        if "$ref" in schema:
+            pointer = self.pointer_of(schema["$ref"], path)
+            if pointer in stack:
+                raise _error(f"recursive $ref {schema['$ref']!r} inside allOf at {path}")
+            target = self.inline(self.resolve(pointer, path), path, stack + (pointer,))
+            out = self.merge(target, out, path)
+        for i, sub in enumerate(schema.get("allOf", [])):
+            out = self.merge(out, self.inline(sub, _at(_at(path, "allOf"), i), stack), path)
+        return out
+
+    def merge(self, a: Any, b: Any, path: str) -> Any:
+        if a is False or b is False:
+            return False
+        out = dict(a)
+        for key, value in b.items():
+            if key not in out:
+                out[key] = value
+            elif key in ASSERTION_KEYWORDS and _canon(out[key]) != _canon(value):
+                out[key] = self.merge_keyword(key, out[key], value, path)
+        if {"properties", "additionalProperties", "patternProperties"} & (a.keys() | b.keys()):
+            out.update(self.merge_objects(a, b, path))
+        return out
+
+    def merge_keyword(self, key: str, a: Any, b: Any, path: str) -> Any:
+        if key == "type":
+            return self.merge_types(a, b, path)
+        if key == "required":
+            return list(dict.fromkeys(list(a) + list(b)))
+        if key in _MIN_KEYWORDS and _both_numbers(a, b):
+            return max(a, b)
+        if key in _MAX_KEYWORDS and _both_numbers(a, b):
+            return min(a, b)
+        if key == "enum":
+            return [v for v in a if _canon(v) in {_canon(x) for x in b}]
+        if key in ("items", "propertyNames", "additionalItems") and not isinstance(a, list):
+            return _all_of(a, b)
+        if key == "uniqueItems":
+            return bool(a or b)
+        if key == "multipleOf" and all(isinstance(x, int) for x in (a, b)):
+            return a * b // math.gcd(a, b)
+        if key in ("properties", "additionalProperties", "patternProperties"):
+            return a  # merge_objects decides
+        if key == "const":
+            raise _unsatisfiable(path, "allOf branches require different constants")
+        raise _error(f"allOf at {path}: cannot merge two different '{key}' keywords")
+
+    def merge_types(self, a: Any, b: Any, path: str) -> list[str]:
+        ta, tb = _type_list(a), _type_list(b)
+        both = [t for t in ta if t in tb]
+        both += ["integer" for x, y in ((ta, tb), (tb, ta)) if "integer" in x and "number" in y]
+        if not both:
+            raise _unsatisfiable(path, f"allOf branches require types {ta} and {tb}")
+        return list(dict.fromkeys(both))
+
+    def merge_objects(self, a: dict, b: dict, path: str) -> dict:
+        """Exact conjunction of two branches' properties/additionalProperties: a property of
+        one branch must also satisfy the other's additionalProperties."""
+        if "patternProperties" in a or "patternProperties" in b:
+            raise _error(f"allOf at {path}: cannot merge branches that use patternProperties")
+        pa, pb = a.get("properties", {}), b.get("properties", {})
+        aa, ab = a.get("additionalProperties", True), b.get("additionalProperties", True)
+        props = {k: _all_of(pa.get(k, aa), pb.get(k, ab)) for k in list(pa) + list(pb)}
+        out: dict = {"properties": props} if props else {}
+        if "additionalProperties" in a or "additionalProperties" in b:
+            out["additionalProperties"] = _all_of(aa, ab)
+        return out
+
+    # ------------------------------------------------------------------ anyOf / oneOf
+    def union(self, s: dict, path: str) -> Any:
+        if "anyOf" in s and "oneOf" in s:
+            raise _error(f"anyOf together with oneOf at {path} is not supported")
+        key = "anyOf" if "anyOf" in s else "oneOf"
+        self.need(key, path)
+        if not isinstance(s[key], list) or not s[key]:
+            raise _error(f"{key} at {path} must be a non-empty list")
+        rest = _without(s, key)
+        branches = []
+        for i, branch in enumerate(s[key]):
+            raw = self.merge_all([rest, branch], _at(path, key)) if rest else branch
+            core = self.node(raw, _at(_at(path, key), i))
+            if core is not False:
+                branches.append(core)
+        if not branches:
+            raise _unsatisfiable(path, f"no {key} branch can match")
+        if key == "oneOf":
+            self.check_disjoint(branches, path)
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+    def check_disjoint(self, branches: list, path: str) -> None:
+        for i, a in enumerate(branches):
+            for b in branches[i + 1 :]:
+                if not self.disjoint(a, b):
+                    raise _error(
+                        f"keyword 'oneOf' at {path} is not supported here: its branches may "
+                        "overlap, and 'exactly one' cannot be enforced (anyOf can)"
+                    )
+
+    def disjoint(self, a: Any, b: Any) -> bool:
+        a, b = self.deref(a), self.deref(b)
+        ta, tb = self.core_types(a), self.core_types(b)
+        if ta is not None and tb is not None and not (_widen(ta) & _widen(tb)):
+            return True
+        va, vb = _values(a), _values(b)
+        if va is not None and vb is not None:
+            return not (va & vb)
+        return self.discriminated(a, b)
+
+    def discriminated(self, a: Any, b: Any) -> bool:
+        """Two objects that require a common property with disjoint constant values."""
+        if a.get("type") != "object" or b.get("type") != "object":
+            return False
+        for name in set(a.get("required", [])) & set(b.get("required", [])):
+            va = _values(self.deref(a["properties"].get(name, {})))
+            vb = _values(self.deref(b["properties"].get(name, {})))
+            if va is not None and vb is not None and not (va & vb):
+                return True
+        return False
+
+    def deref(self, core: Any, depth: int = 0) -> Any:
+        while isinstance(core, dict) and "$ref" in core and depth < _MAX_MERGE_DEPTH:
+            core = self.defs[core["$ref"].rsplit("/", 1)[1]]
+            depth += 1
+        return core
+
+    def core_types(self, core: Any) -> set[str] | None:
+        core = self.deref(core)
+        if "type" in core:
+            return {core["type"]}
+        values = _values(core)
+        if values is not None:
+            return {_json_type(json.loads(v)) for v in values}
+        if "anyOf" in core:
+            parts = [self.core_types(b) for b in core["anyOf"]]
+            return None if None in parts else set().union(*parts)  # type: ignore[arg-type]
+        return None
+
+    # ------------------------------------------------------------------ types
+    def typed(self, s: dict, path: str) -> Any:
+        if "type" in s:
+            types = _type_list(s["type"])
+        else:  # no type: only the families whose keywords are present can be constrained
+            types = list(dict.fromkeys(FAMILY_OF[k] for k in s if k in FAMILY_OF))
+            if not types:
+                return {}
+        if "integer" in types and "number" in types:
+            types.remove("integer")
+        options = [self.single(t, s, path) for t in types]
+        options = [o for o in options if o is not False]
+        if not options:
+            raise _unsatisfiable(path, "no type can match")
+        return options[0] if len(options) == 1 else {"anyOf": options}
+
+    def single(self, type_name: str, s: dict, path: str) -> Any:
+        if type_name == "string":
+            return self.string(s, path)
+        if type_name in ("integer", "number"):
+            return self.number(s, path, integer=type_name == "integer")
+        if type_name == "object":
+            return self.object(s, path)
+        if type_name == "array":
+            return self.array(s, path)
+        return {"type": type_name}
+
+    def needs(self, s: dict, family: frozenset[str], path: str) -> None:
+        for keyword in s:
+            if keyword in family:
+                self.need(keyword, path)
+
+    # ------------------------------------------------------------------ strings
+    def string(self, s: dict, path: str) -> dict:
+        self.needs(s, STRING_KEYWORDS, path)
+        pattern = s.get("pattern")
+        fmt = s.get("format")
+        if fmt in FORMAT_PATTERNS:
+            if pattern is not None:
+                raise _error(f"format together with pattern at {path} is not supported")
+            pattern = FORMAT_PATTERNS[fmt]
+        elif fmt in SPEC_FORMATS:
+            raise _error(f"keyword 'format' ({fmt!r}) at {path} is not supported: plait enforces "
+                         f"the formats {sorted(FORMAT_PATTERNS)}")
+        min_len, max_len = _count(s, "minLength", path) or 0, _count(s, "maxLength", path)
+        if pattern is None and min_len == 0 and max_len is None:
+            return {"type": "string"}
+        return {"type": "string", "pattern": json_string_regex(pattern, min_len, max_len, path)}
+
+    # ------------------------------------------------------------------ numbers
+    def number(self, s: dict, path: str, integer: bool) -> Any:
+        self.needs(s, NUMBER_KEYWORDS, path)
+        multiple = s.get("multipleOf", s.get("divisibleBy"))
+        if multiple is not None and not integer:
+            if not (isinstance(multiple, (int, float)) and float(multiple).is_integer()):
+                raise _error(f"keyword 'multipleOf' at {path} is only supported with whole "
+                             "numbers")
+            integer = True  # numbers that are multiples of a whole number: print integers
+        out: dict = {"type": "integer" if integer else "number"}
+        lo, lo_open, hi, hi_open = _bounds(s)
+        if integer:
+            _integer_bounds(out, lo, lo_open, hi, hi_open, path)
+        else:
+            _number_bounds(out, lo, lo_open, hi, hi_open, path)
+        if multiple is not None:
+            step = _integer_step(multiple, path)
+            if step is not None and step != 1:
+                out["multipleOf"] = step
+        return out
+
+    # ------------------------------------------------------------------ objects
+    def object(self, s: dict, path: str) -> Any:
+        self.needs(s, OBJECT_KEYWORDS - {"minProperties", "maxProperties"}, path)
+        additional = s.get("additionalProperties")
+        unevaluated = s.get("unevaluatedProperties")
+        if unevaluated is False and additional is None:
+            additional = False  # nothing else evaluates properties in a core object
+        elif unevaluated not in (None, True, False):
+            raise _error(f"keyword 'unevaluatedProperties' at {path} is only supported as false")
+        patterns = s.get("patternProperties") or {}
+        if len(patterns) > 1 or (patterns and additional not in (None, False)):
+            raise _error(f"keyword 'patternProperties' at {path} is only supported as a single "
+                         "pattern without additionalProperties")
+        required = list(dict.fromkeys(s.get("required", [])))
+        props = self.properties(s, required, additional, patterns, path)
+        out: dict = {"type": "object", "properties": props, "required": required}
+        out["additionalProperties"] = (
+            False if additional in (None, False) else self.node(additional, _at(path, "additionalProperties"))
+        )
+        if patterns:
+            (regex, sub), = patterns.items()
+            key = json_string_regex(regex, where=_at(path, "patternProperties"))
+            out["patternProperties"] = {key: self.node(sub, _at(path, "patternProperties"))}
+        if "propertyNames" in s:
+            self.property_names(s["propertyNames"], out, path)
+        self.property_counts(s, out, path)
+        return out
+
+    def properties(self, s: dict, required: list, additional: Any, patterns: dict, path: str):
+        props = {}
+        raw = s.get("properties") or {}
+        for name in list(raw) + [r for r in required if r not in raw]:
+            if any(re.search(p, name) for p in patterns):
+                raise _error(f"keyword 'patternProperties' at {path} matches the declared "
+                             f"property {name!r}; that combination is not supported")
+            sub = raw.get(name, True if additional is None else additional)
+            core = self.node(sub, _at(_at(path, "properties"), name))
+            if core is False:
+                if name in required:
+                    raise _unsatisfiable(path, f"required property {name!r} cannot be present")
+                continue
+            props[name] = core
+        return props
+
+    def property_names(self, names: Any, out: dict, path: str) -> None:
+        where = _at(path, "propertyNames")
+        for name in list(out["properties"]):
+            if not self.name_allowed(name, names, where):
+                if name in out["required"]:
+                    raise _unsatisfiable(path, f"required property {name!r} fails propertyNames")
+                del out["properties"][name]
+        core = self.node(names, where)
+        if core is False:
+            out["additionalProperties"] = False
+            out.pop("patternProperties", None)
+            return
+        open_keys = out["additionalProperties"] is not False or "patternProperties" in out
+        if core == {} or not open_keys:
+            return  # declared names were checked above
+        if core.get("type") != "string":
+            raise _error(f"keyword 'propertyNames' at {path} is only supported as a string schema")
+        out["propertyNames"] = core
+
+    def name_allowed(self, name: str, names: Any, where: str) -> bool:
+        if isinstance(names, bool):
+            return names
+        return self.is_valid(name, names, where)
+
+    def property_counts(self, s: dict, out: dict, path: str) -> None:
+        low = _count(s, "minProperties", path) or 0
+        high = _count(s, "maxProperties", path)
+        open_keys = out["additionalProperties"] is not False or "patternProperties" in out
+        if low > len(out["required"]):  # else implied by the required properties
+            self.need("minProperties", path)
+            if open_keys:  # a grammar cannot stop an undeclared key from repeating
+                raise _error(f"keyword 'minProperties' at {path} is not supported together with "
+                             "additional or pattern properties")
+            out["minProperties"] = low
+        if high is not None and (open_keys or high < len(out["properties"])):
+            self.need("maxProperties", path)
+            if high < len(out["required"]):
+                raise _unsatisfiable(path, "maxProperties is below the required properties")
+            out["maxProperties"] = high
+
+    # ------------------------------------------------------------------ arrays
+    def array(self, s: dict, path: str) -> Any:
+        self.needs(s, ARRAY_KEYWORDS, path)
+        items, prefix = s.get("items"), s.get("prefixItems")
+        if isinstance(items, list):  # draft <= 2019-09 tuple form
+            if prefix is not None:
+                raise _error(f"items as a list together with prefixItems at {path}")
+            prefix, items = items, s.get("additionalItems")
+        unevaluated = s.get("unevaluatedItems")
+        if unevaluated not in (None, True, False):
+            raise _error(f"keyword 'unevaluatedItems' at {path} is only supported as false")
+        if items is None and (prefix or unevaluated is False):
+            items = False  # only the declared positions (a subset when items was absent)
+        out: dict = {"type": "array"}
+        low, high = _count(s, "minItems", path) or 0, _count(s, "maxItems", path)
+        if prefix:
+            out["prefixItems"], high = self.prefix_items(prefix, high, path)
+        if items is not None:
+            core = self.node(items, _at(path, "items"))
+            out["items"] = core
+            if core is False and not prefix:
+                high = 0
+        if s.get("uniqueItems") is True and not (high is not None and high <= 1):
+            raise _error(f"keyword 'uniqueItems' at {path} is not supported (a grammar cannot "
+                         "enforce distinct items)")
+        if high is not None and low > high:
+            raise _unsatisfiable(path, "minItems exceeds the items allowed")
+        if low:
+            out["minItems"] = low
+        if high is not None:
+            out["maxItems"] = high
+        return out
+
+    def prefix_items(self, prefix: list, high: int | None, path: str) -> tuple[list, int | None]:
+        cores = []
+        for i, item in enumerate(prefix):
+            core = self.node(item, _at(_at(path, "prefixItems"), i))
+            if core is False:  # no array can reach position i
+                return cores, i if high is None else min(high, i)
+            cores.append(core)
+        return cores, high
+
+
+# ----------------------------------------------------------------------------- helpers
+def _type_list(value: Any) -> list[str]:
+    types = [value] if isinstance(value, str) else list(value)
+    for t in types:
+        if t not in JSON_TYPES:
+            raise _error(f"unknown type {t!r}")
+    return list(dict.fromkeys(types))
+
+
+def _widen(types: set[str]) -> set[str]:
+    return types | ({"number"} if "integer" in types else set()) | (
+        {"integer"} if "number" in types else set()
+    )
+
+
+def _values(core: Any) -> set[str] | None:
+    if not isinstance(core, dict):
+        return None
+    if "const" in core:
+        return {_canon(core["const"])}
+    if "enum" in core:
+        return {_canon(v) for v in core["enum"]}
+    return None
+
+
+def _both_numbers(a: Any, b: Any) -> bool:
+    return all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+
+
+def _count(s: dict, key: str, path: str) -> int | None:
+    value = s.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+        isinstance(value, float) and not value.is_integer()
+    ):
+        raise _error(f"{key} at {path} must be a non-negative integer")
+    return int(value)
+
+
+def _bounds(s: dict) -> tuple[float | None, bool, float | None, bool]:
+    """(low, low exclusive?, high, high exclusive?), reading the draft-4 boolean forms too."""
+    lo, hi = s.get("minimum"), s.get("maximum")
+    lo_open = hi_open = False
+    ex_lo, ex_hi = s.get("exclusiveMinimum"), s.get("exclusiveMaximum")
+    if ex_lo is True:
+        lo_open = lo is not None
+    elif _is_number(ex_lo) and (lo is None or ex_lo >= lo):
+        lo, lo_open = ex_lo, True
+    if ex_hi is True:
+        hi_open = hi is not None
+    elif _is_number(ex_hi) and (hi is None or ex_hi <= hi):
+        hi, hi_open = ex_hi, True
+    return lo, lo_open, hi, hi_open
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _integer_bounds(out: dict, lo, lo_open: bool, hi, hi_open: bool, path: str) -> None:
+    if lo is not None:
+        out["minimum"] = math.floor(lo) + 1 if lo_open else math.ceil(lo)
+    if hi is not None:
+        out["maximum"] = math.ceil(hi) - 1 if hi_open else math.floor(hi)
+    if lo is not None and hi is not None and out["minimum"] > out["maximum"]:
+        raise _unsatisfiable(path, "no integer lies within minimum..maximum")
+
+
+def _number_bounds(out: dict, lo, lo_open: bool, hi, hi_open: bool, path: str) -> None:
+    if lo is not None:
+        out["exclusiveMinimum" if lo_open else "minimum"] = lo
+    if hi is not None:
+        out["exclusiveMaximum" if hi_open else "maximum"] = hi
+    if lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_open or hi_open))):
+        raise _unsatisfiable(path, "no number lies within minimum..maximum")
+
+
+def _integer_step(multiple: Any, path: str) -> int | None:
+    """multipleOf for integers: a whole step, or None when every integer qualifies."""
+    if not _is_number(multiple) or multiple <= 0:
+        raise _error(f"multipleOf at {path} must be a positive number")
+    if float(multiple).is_integer():
+        return int(multiple)
+    inverse = 1 / multiple
+    if inverse.is_integer() and math.log2(inverse).is_integer():  # 0.5, 0.25: exact in floats
+        return None
+    raise _error(f"keyword 'multipleOf' ({multiple}) at {path} is not supported for integers")

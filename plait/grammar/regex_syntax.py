@@ -1,0 +1,480 @@
+"""Regexes in one portable dialect that both grammar backends read the same way.
+
+A user regex (or a JSON-schema `pattern`) is parsed with Python's own `re` parser, so its meaning
+is Python's (what `re.fullmatch` and jsonschema's `pattern` check use), turned into a tiny tree
+(one character from a set, sequence, alternation, repetition), and printed back with explicit
+character ranges. xgrammar and outlines-core then never see `\\d`, `\\w`, `.` or `[^...]`, whose
+meaning differs between Python, ECMA-262, Rust and xgrammar. Features a regular-language engine
+cannot enforce (look-around, back-references, word boundaries, flags, anchors inside) raise
+GrammarError naming the feature.
+
+`json_string_regex` prints the same tree for the *contents of a JSON string*: characters that
+JSON must escape come out as their escape sequence, and minLength/maxLength are folded in.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from plait.grammar.base import GrammarError
+
+try:  # Python >= 3.11
+    import re._constants as _c
+    import re._parser as _sre
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as _c  # type: ignore[no-redef]
+    import sre_parse as _sre  # type: ignore[no-redef]
+
+# A set of code points: sorted, disjoint, inclusive (lo, hi) ranges.
+CharSet = tuple[tuple[int, int], ...]
+
+MAX_CHAR = 0x10FFFF
+# Surrogates cannot be encoded in UTF-8: no output may contain them.
+VALID: CharSet = ((0, 0xD7FF), (0xE000, MAX_CHAR))
+# Characters a JSON string must escape.
+JSON_UNSAFE: CharSet = ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
+_SHORT_ESCAPES = {0x22: '"', 0x5C: "\\", 0x08: "b", 0x0C: "f", 0x0A: "n", 0x0D: "r", 0x09: "t"}
+
+_REFUSED_FLAGS = {
+    _c.SRE_FLAG_IGNORECASE: "the ignore-case flag",
+    _c.SRE_FLAG_LOCALE: "the locale flag",
+    _c.SRE_FLAG_MULTILINE: "the multiline flag",
+    _c.SRE_FLAG_ASCII: "the ASCII flag",
+}
+_START_ANCHORS = (_c.AT_BEGINNING, _c.AT_BEGINNING_STRING)
+_END_ANCHORS = (_c.AT_END, _c.AT_END_STRING)
+_NAMED_GROUP = re.compile(r"\(\?<(?![=!])")  # ECMA `(?<name>` -> Python `(?P<name>`
+
+
+# ----------------------------------------------------------------------------- char sets
+def _normalize(ranges: list[tuple[int, int]]) -> CharSet:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def union(*sets: CharSet) -> CharSet:
+    return _normalize([r for s in sets for r in s])
+
+
+def complement(s: CharSet) -> CharSet:
+    """Complement within VALID (never includes surrogates)."""
+    out, start = [], 0
+    for lo, hi in s:
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    if start <= MAX_CHAR:
+        out.append((start, MAX_CHAR))
+    return intersect(tuple(out), VALID)
+
+
+def intersect(a: CharSet, b: CharSet) -> CharSet:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tuple(out)
+
+
+def subtract(a: CharSet, b: CharSet) -> CharSet:
+    return intersect(a, complement(b))
+
+
+def chars(*cs: str) -> CharSet:
+    return _normalize([(ord(c), ord(c)) for c in cs])
+
+
+@functools.cache
+def _python_category(code: int) -> CharSet:
+    """Python's exact Unicode meaning of \\d, \\w or \\s, found with `re` itself (fast, in C)."""
+    probe = {_c.CATEGORY_DIGIT: r"\d+", _c.CATEGORY_WORD: r"\w+", _c.CATEGORY_SPACE: r"\s+"}[code]
+    text = "".join(map(chr, range(0xD800))) + "".join(map(chr, range(0xE000, MAX_CHAR + 1)))
+
+    def cp(i: int) -> int:  # text index -> code point (the text skips the surrogates)
+        return i if i < 0xD800 else i + 0x800
+
+    return _normalize([(cp(m.start()), cp(m.end() - 1)) for m in re.finditer(probe, text)])
+
+
+# ASCII meanings (ECMA-262's, and a subset of Python's Unicode ones)
+_ASCII_CATEGORY = {
+    _c.CATEGORY_DIGIT: ((0x30, 0x39),),
+    _c.CATEGORY_WORD: ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
+    _c.CATEGORY_SPACE: ((0x09, 0x0D), (0x20, 0x20)),
+}
+_NEGATED_CATEGORY = {
+    _c.CATEGORY_NOT_DIGIT: _c.CATEGORY_DIGIT,
+    _c.CATEGORY_NOT_WORD: _c.CATEGORY_WORD,
+    _c.CATEGORY_NOT_SPACE: _c.CATEGORY_SPACE,
+}
+
+
+def _category(code: int, upper: bool) -> CharSet:
+    """A class escape as a set. \\d, \\w, \\s mean different things in Python (Unicode) and
+    ECMA-262 (ASCII); we print a set that is right under both: the smaller reading where the
+    set is used as is, the larger one where it is negated (upper=True)."""
+    if code in _NEGATED_CATEGORY:
+        positive = _NEGATED_CATEGORY[code]
+        return complement(_category(positive, upper=not upper))
+    if code not in _ASCII_CATEGORY:
+        raise GrammarError(f"unsupported character class {code}")
+    return _python_category(code) if upper else _ASCII_CATEGORY[code]
+
+
+# ----------------------------------------------------------------------------- the tree
+@dataclass(frozen=True)
+class Char:
+    chars: CharSet
+
+
+@dataclass(frozen=True)
+class Seq:
+    items: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Alt:
+    options: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Repeat:
+    item: Node
+    lo: int
+    hi: int | None  # None = unbounded
+
+
+Node = Char | Seq | Alt | Repeat
+EMPTY = Seq(())
+
+
+def literal(text: str) -> Node:
+    return Seq(tuple(Char(chars(c)) for c in text))
+
+
+def length_range(node: Node) -> tuple[int, int | None]:
+    """(min, max) number of characters the node matches; max None = unbounded."""
+    if isinstance(node, Char):
+        return 1, 1
+    if isinstance(node, Seq):
+        lo, hi = 0, 0
+        for item in node.items:
+            a, b = length_range(item)
+            lo += a
+            hi = None if hi is None or b is None else hi + b
+        return lo, hi
+    if isinstance(node, Alt):
+        ranges = [length_range(o) for o in node.options]
+        his = [b for _, b in ranges]
+        return min(a for a, _ in ranges), None if None in his else max(his)  # type: ignore[type-var]
+    a, b = length_range(node.item)
+    hi = None if node.hi is None or b is None else node.hi * b
+    return node.lo * a, hi
+
+
+# ----------------------------------------------------------------------------- parsing
+def parse(pattern: str, param: str) -> Node:
+    """Python-regex text -> tree, refusing what a regular-language backend cannot enforce."""
+    try:
+        parsed = _sre.parse(_NAMED_GROUP.sub("(?P<", pattern))
+    except re.error as e:
+        raise GrammarError(f"{param}: invalid regular expression {pattern!r}: {e}", param) from None
+    except (RecursionError, OverflowError):
+        raise GrammarError(f"{param}: regular expression too complex", param) from None
+    _check_flags(parsed.state.flags, param)
+    dotall = bool(parsed.state.flags & _c.SRE_FLAG_DOTALL)
+    return _Converter(param, dotall).seq(parsed, left=True, right=True)
+
+
+def _check_flags(flags: int, param: str) -> None:
+    for flag, name in _REFUSED_FLAGS.items():
+        if flags & flag:
+            raise GrammarError(f"{param}: {name} is not supported in regular expressions", param)
+
+
+class _Converter:
+    def __init__(self, param: str, dotall: bool) -> None:
+        self.param = param
+        self.dotall = dotall
+
+    def refuse(self, feature: str) -> GrammarError:
+        return GrammarError(
+            f"{self.param}: {feature} is not supported (a grammar cannot enforce it)", self.param
+        )
+
+    def seq(self, items, left: bool, right: bool) -> Node:
+        """`left`/`right`: whether this sequence starts/ends the whole match (anchors allowed)."""
+        items = list(items)
+        out: list[Node] = []
+        for i, (op, av) in enumerate(items):
+            node = self.item(op, av, left and i == 0, right and i == len(items) - 1)
+            if node is not EMPTY:
+                out.append(node)
+        return out[0] if len(out) == 1 else Seq(tuple(out))
+
+    def item(self, op, av, left: bool, right: bool) -> Node:
+        if op is _c.LITERAL:
+            return Char(intersect(chars(chr(av)), VALID))
+        if op is _c.NOT_LITERAL:
+            return Char(complement(chars(chr(av))))
+        if op is _c.ANY:
+            return Char(VALID if self.dotall else complement(chars("\n")))
+        if op is _c.IN:
+            return Char(self.charset(av))
+        if op is _c.BRANCH:
+            return Alt(tuple(self.seq(branch, left, right) for branch in av[1]))
+        if op is _c.SUBPATTERN:
+            _group, add_flags, del_flags, sub = av
+            if (add_flags | del_flags) & ~(_c.SRE_FLAG_VERBOSE | _c.SRE_FLAG_UNICODE):
+                raise self.refuse("an inline flag group")
+            return self.seq(sub, left, right)
+        if op in (_c.MAX_REPEAT, _c.MIN_REPEAT):  # lazy = greedy for a whole-string match
+            lo, hi, sub = av
+            return Repeat(self.seq(sub, False, False), lo, None if hi is _c.MAXREPEAT else hi)
+        if op is _c.AT:
+            return self.anchor(av, left, right)
+        raise self.refuse(_FEATURE_NAMES.get(op, f"the regex operator {op}"))
+
+    def anchor(self, code, left: bool, right: bool) -> Node:
+        if (code in _START_ANCHORS and left) or (code in _END_ANCHORS and right):
+            return EMPTY  # the whole string is matched anyway
+        if code in (_c.AT_BOUNDARY, _c.AT_NON_BOUNDARY):
+            raise self.refuse("a word boundary (\\b, \\B)")
+        raise self.refuse("an anchor (^, $, \\A, \\Z) inside the pattern")
+
+    def charset(self, items) -> CharSet:
+        negate = bool(items) and items[0][0] is _c.NEGATE
+        parts = []
+        for op, av in items[1:] if negate else items:
+            if op is _c.LITERAL:
+                parts.append(chars(chr(av)))
+            elif op is _c.RANGE:
+                parts.append(((av[0], av[1]),))
+            elif op is _c.CATEGORY:
+                parts.append(_category(av, upper=negate))
+            else:
+                raise self.refuse(f"the character-class item {op}")
+        s = union(*parts)
+        return complement(s) if negate else intersect(s, VALID)
+
+
+_FEATURE_NAMES = {
+    _c.ASSERT: "a look-ahead/look-behind assertion",
+    _c.ASSERT_NOT: "a negative look-ahead/look-behind assertion",
+    _c.GROUPREF: "a back-reference",
+    _c.GROUPREF_EXISTS: "a conditional group",
+}
+for _name, _feature in (("POSSESSIVE_REPEAT", "a possessive quantifier"),
+                        ("ATOMIC_GROUP", "an atomic group")):
+    if hasattr(_c, _name):
+        _FEATURE_NAMES[getattr(_c, _name)] = _feature
+
+
+# ----------------------------------------------------------------------------- printing
+_META = frozenset("\\.^$|?*+()[]{}-/")  # never escape < > (Rust reads \< \> as word boundaries)
+_CLASS_META = frozenset("\\]^-[&~")
+
+
+def _char_text(code: int, in_class: bool) -> str:
+    if code < 0x20 or code == 0x7F:
+        return f"\\x{code:02x}"
+    if 0x80 <= code <= 0x9F:
+        return f"\\u{code:04x}"
+    ch = chr(code)
+    return "\\" + ch if ch in (_CLASS_META if in_class else _META) else ch
+
+
+def _class_text(s: CharSet) -> str:
+    if len(s) == 1 and s[0][0] == s[0][1]:
+        return _char_text(s[0][0], in_class=False)
+    parts = []
+    for lo, hi in s:
+        parts.append(_char_text(lo, True) if lo == hi else
+                     f"{_char_text(lo, True)}-{_char_text(hi, True)}")
+    return "[" + "".join(parts) + "]"
+
+
+def _json_escapes(s: CharSet) -> list[str]:
+    """Regex texts for the JSON escape sequences of the unsafe characters in s."""
+    out, by_high = [], {0: [], 1: []}
+    for lo, hi in s:
+        for code in range(lo, hi + 1):
+            if code in _SHORT_ESCAPES:
+                out.append("\\\\" + _char_text(ord(_SHORT_ESCAPES[code]), False))
+            else:  # \u00XX, lowercase hex: one spelling is enough
+                by_high[code >> 4].append(code & 0xF)
+    for high, lows in by_high.items():
+        if lows:
+            digits = "".join(sorted({f"{x:x}" for x in lows}))
+            cls = digits if len(digits) == 1 else f"[{digits}]"
+            out.append(f"\\\\u00{high}{cls}")
+    return out
+
+
+def _char_regex(s: CharSet, json: bool) -> tuple[str, bool]:
+    """(regex text, atomic?) for one character from s."""
+    if not s:
+        raise GrammarError("a character class that matches nothing")
+    if not json:
+        return _class_text(s), True
+    safe, unsafe = subtract(s, JSON_UNSAFE), intersect(s, JSON_UNSAFE)
+    options = ([_class_text(safe)] if safe else []) + _json_escapes(unsafe)
+    if len(options) == 1:
+        return options[0], not options[0].startswith("\\\\")
+    return "(?:" + "|".join(options) + ")", True
+
+
+def to_regex(node: Node, json: bool = False) -> str:
+    text, _ = _print(node, json)
+    return text
+
+
+def _print(node: Node, json: bool) -> tuple[str, bool]:
+    if isinstance(node, Char):
+        return _char_regex(node.chars, json)
+    if isinstance(node, Seq):
+        if len(node.items) == 1:
+            return _print(node.items[0], json)
+        return "".join(_group(_print(i, json), alt_only=True) for i in node.items), False
+    if isinstance(node, Alt):
+        return "|".join(_print(o, json)[0] for o in node.options), False
+    text = _group(_print(node.item, json), alt_only=False)
+    hi = "" if node.hi is None else str(node.hi)
+    if (node.lo, node.hi) == (0, None):
+        return text + "*", True
+    if (node.lo, node.hi) == (1, None):
+        return text + "+", True
+    if (node.lo, node.hi) == (0, 1):
+        return text + "?", True
+    if node.hi is not None and node.lo == node.hi:
+        return f"{text}{{{node.lo}}}", True
+    return f"{text}{{{node.lo},{hi}}}", True
+
+
+def _group(printed: tuple[str, bool], alt_only: bool) -> str:
+    text, atomic = printed
+    if atomic or (alt_only and "|" not in _top_level(text)):
+        return text
+    return f"(?:{text})"
+
+
+def _top_level(text: str) -> str:
+    """The characters of a printed regex outside groups and classes (to spot a top-level |)."""
+    out, depth, in_class, i = [], 0, False, 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------- entry points
+def normalize_regex(pattern: str, param: str = "regex") -> str:
+    """A whole-string regex (Python meaning) in the portable dialect."""
+    return to_regex(parse(pattern, param))
+
+
+def choices_regex(options: list[str]) -> str:
+    """Exactly one of the given strings."""
+    return to_regex(Alt(tuple(literal(o) for o in options)))
+
+
+ANY_CHAR = Char(VALID)
+
+
+def json_string_regex(
+    pattern: str | None, min_len: int = 0, max_len: int | None = None, where: str = "$"
+) -> str:
+    """Regex for the *raw contents* of a JSON string whose decoded value matches `pattern`
+    (as a whole: an unanchored pattern is treated as anchored, a subset of what it allows) and
+    has between min_len and max_len characters. Escapes count as one character."""
+    node = parse(pattern, "json_schema") if pattern is not None else Repeat(ANY_CHAR, 0, None)
+    node = fold_length(node, min_len, max_len, where)
+    return to_regex(node, json=True)
+
+
+def fold_length(node: Node, min_len: int, max_len: int | None, where: str) -> Node:
+    """Restrict node to strings of min_len..max_len characters, exactly, or refuse."""
+    lo, hi = length_range(node)
+    if lo >= min_len and (max_len is None or (hi is not None and hi <= max_len)):
+        return node
+    if max_len is not None and (lo > max_len or min_len > max_len):
+        raise _unsatisfiable(where)
+    if hi is not None and hi < min_len:
+        raise _unsatisfiable(where)
+    if isinstance(node, Alt):
+        options = []
+        for option in node.options:
+            try:
+                options.append(fold_length(option, min_len, max_len, where))
+            except _Unsatisfiable:
+                continue
+        if not options:
+            raise _unsatisfiable(where)
+        return Alt(tuple(options))
+    if isinstance(node, Repeat) and isinstance(node.item, Char):
+        new_lo = max(node.lo, min_len)
+        bounds = [b for b in (node.hi, max_len) if b is not None]
+        new_hi = min(bounds) if bounds else None
+        if new_hi is not None and new_lo > new_hi:
+            raise _unsatisfiable(where)
+        return Repeat(node.item, new_lo, new_hi)
+    if isinstance(node, Seq):
+        return _fold_seq(node, min_len, max_len, where)
+    raise GrammarError(
+        f"json_schema: minLength/maxLength at {where} cannot be combined with this pattern or "
+        "format (only patterns with one variable-length part can be length-limited exactly)",
+        "json_schema",
+    )
+
+
+def _fold_seq(node: Seq, min_len: int, max_len: int | None, where: str) -> Node:
+    ranges = [length_range(i) for i in node.items]
+    variable = [i for i, (a, b) in enumerate(ranges) if a != b]
+    if len(variable) != 1:
+        raise GrammarError(
+            f"json_schema: minLength/maxLength at {where} cannot be combined with a pattern or "
+            "format that has several variable-length parts",
+            "json_schema",
+        )
+    k = variable[0]
+    fixed = sum(a for i, (a, _) in enumerate(ranges) if i != k)
+    inner_max = None if max_len is None else max_len - fixed
+    folded = fold_length(node.items[k], max(0, min_len - fixed), inner_max, where)
+    return Seq(node.items[:k] + (folded,) + node.items[k + 1 :])
+
+
+class _Unsatisfiable(GrammarError):
+    pass
+
+
+def _unsatisfiable(where: str) -> GrammarError:
+    return _Unsatisfiable(
+        f"json_schema: the string constraints at {where} cannot be satisfied (no string of an "
+        "allowed length matches)",
+        "json_schema",
+    )
