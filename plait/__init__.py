@@ -14,7 +14,11 @@ def __getattr__(name: str):
         from plait.frontend.engine import Engine
 
         return Engine
+    if name == "Runtime":
+        from plait.frontend.runtime import Runtime
+
+        return Runtime
     raise AttributeError(f"module 'plait' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "SamplingParams", "ServerArgs"]
+__all__ = ["Engine", "Runtime", "SamplingParams", "ServerArgs"]

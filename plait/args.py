@@ -137,7 +137,8 @@ class ServerArgs:
                 kwargs["default"] = f.default
                 if "choices" in f.metadata:
                     kwargs["choices"] = f.metadata["choices"]
-                kwargs["help"] += f" (default: {f.default})"
+                if "default:" not in kwargs["help"]:
+                    kwargs["help"] += f" (default: {f.default})"
             names = [flag]
             if flag == "--model":
                 names.append("--model-path")

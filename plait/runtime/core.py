@@ -34,6 +34,7 @@ class Req:
     last_node: Any = None
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admitted: bool = False
+    queue_time: float = 0.0  # seconds from arrival to first admission
 
     grammar: Any = None  # Matcher, once compiled
     forced_ids: list[int] = field(default_factory=list)  # grammar-forced tokens not yet emitted

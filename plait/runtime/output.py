@@ -89,4 +89,4 @@ def _append(out: BatchTokenOut, req: Req) -> None:
     out.input_top_logprobs.append(req.input_top_logprobs or None)
     if req.input_token_logprobs:  # sent once
         req.input_token_logprobs, req.input_top_logprobs = [], []
-    out.spec_info.append({"forced_tokens": req.num_forced_tokens})
+    out.spec_info.append({"forced_tokens": req.num_forced_tokens, "queue_time": req.queue_time})

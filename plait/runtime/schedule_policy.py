@@ -9,6 +9,7 @@ step, so that prefix is computed once and then hit in the cache (in-batch prefix
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from plait.runtime.core import Req
@@ -89,6 +90,7 @@ def admit(
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = req.kv_len
+            req.queue_time = time.monotonic() - req.arrival_time
         reserve += own_reserve
         out.reqs.append(req)
         out.extend_lens.append(chunk)
