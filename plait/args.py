@@ -57,8 +57,6 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "turn off prefix reuse (same interface, no sharing)")
     schedule_policy: str = _opt("lpm", "lpm: longest prefix match first; fcfs", SCHEDULE_POLICIES)
     attention_backend: str = _opt("auto", "attention kernels (auto: triton on CUDA, torch on CPU)", ATTENTION_BACKENDS)
-    disable_cuda_graph: bool = _opt(False, "do not capture CUDA graphs for decode")
-    cuda_graph_max_bs: int = _opt(64, "largest decode batch captured in a CUDA graph")
     grammar_backend: str = _opt("xgrammar", "constrained-decoding backend", GRAMMAR_BACKENDS)
     grammar_compile_timeout: float = _opt(5.0, "seconds before a constraint compile fails the request")
     grammar_cache_dir: str | None = _opt(None, "persist compiled grammars here (survives restarts)")
