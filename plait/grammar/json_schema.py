@@ -746,3 +746,26 @@ def _integer_step(multiple: Any, path: str) -> int | None:
     if inverse.is_integer() and math.log2(inverse).is_integer():  # 0.5, 0.25: exact in floats
         return None
     raise _error(f"keyword 'multipleOf' ({multiple}) at {path} is not supported for integers")
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs")
+_SUBSCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")
+
+
+def map_subschemas(core: Any, fn) -> Any:
+    """Apply fn bottom-up to every object subschema of a core schema (and to the core itself);
+    boolean subschemas are left as they are."""
+    if not isinstance(core, dict):
+        return core
+    out = dict(core)
+    for key in _SUBSCHEMA_LISTS:
+        if key in out:
+            out[key] = [map_subschemas(x, fn) for x in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if key in out:
+            out[key] = {k: map_subschemas(v, fn) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_VALUES:
+        if key in out:
+            out[key] = map_subschemas(out[key], fn)
+    return fn(out)

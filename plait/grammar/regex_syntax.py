@@ -414,7 +414,9 @@ def json_string_regex(
     has between min_len and max_len characters. Escapes count as one character."""
     node = parse(pattern, "json_schema") if pattern is not None else Repeat(ANY_CHAR, 0, None)
     node = fold_length(node, min_len, max_len, where)
-    return to_regex(node, json=True)
+    text = to_regex(node, json=True)
+    # outlines splices the pattern between quotes as is: a top-level | must not escape them
+    return f"(?:{text})" if "|" in _top_level(text) else text
 
 
 def fold_length(node: Node, min_len: int, max_len: int | None, where: str) -> Node:

@@ -15,11 +15,9 @@ from typing import Any
 import xgrammar as xgr
 
 from plait.grammar.base import GrammarError
+from plait.grammar.json_schema import map_subschemas
 
 _MARKER = "PLAITPAT{}X"
-_SCHEMA_LISTS = ("anyOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "$defs")
-_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -31,28 +29,17 @@ def extract_patterns(core: Any) -> tuple[Any, list[str]]:
         patterns.append(regex)
         return _MARKER.format(len(patterns) - 1)
 
-    def walk(node: Any) -> Any:
+    def replace(node: Any) -> Any:
         if not isinstance(node, dict):
             return node
         out = dict(node)
         if isinstance(out.get("pattern"), str):
             out["pattern"] = mark(out["pattern"])
-        for key in _SCHEMA_LISTS:
-            if key in out:
-                out[key] = [walk(x) for x in out[key]]
-        for key in _SCHEMA_MAPS:
-            if key in out:
-                out[key] = {k: walk(v) for k, v in out[key].items()}
-        for key in _SCHEMA_VALUES:
-            if key in out:
-                out[key] = walk(out[key])
         if "patternProperties" in out:
-            out["patternProperties"] = {
-                mark(k): walk(v) for k, v in out["patternProperties"].items()
-            }
+            out["patternProperties"] = {mark(k): v for k, v in out["patternProperties"].items()}
         return out
 
-    return walk(core), patterns
+    return map_subschemas(core, replace), patterns
 
 
 def splice_patterns(ebnf: str, patterns: list[str]) -> str:
