@@ -10,6 +10,7 @@ token 32 * w + j; `apply_token_bitmask` applies a whole batch's masks in one cal
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
@@ -75,15 +76,69 @@ class GrammarBackend(ABC):
     def supported_features(cls) -> dict:
         """What this backend enforces, for /get_server_info (kinds, JSON-schema keywords, ...)."""
 
+    # Optional persistence, used by GrammarManager's cache_dir. A backend that cannot serialize
+    # keeps these defaults (serialize -> None: nothing is written).
+    def serialize(self, grammar: CompiledGrammar) -> bytes | None:
+        return None
+
+    def deserialize(self, data: bytes) -> CompiledGrammar:
+        raise NotImplementedError(f"{type(self).__name__} does not deserialize grammars")
+
+    def fingerprint(self) -> str:
+        """Names the engine version and options: cached grammars of another fingerprint are
+        never loaded."""
+        return self.name
+
 
 def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits [B, V] (in place): tokens whose bit is 0 get -inf. One call for the whole batch."""
+    """logits [B, V] (in place): tokens whose bit is 0 get -inf. One call for the whole batch.
+
+    Tokens beyond the bitmask's coverage (V > 32 * W, e.g. padded embedding rows) are never
+    allowed. Rows whose mask allows everything (unconstrained requests) are left alone."""
     bsz, vocab = logits.shape
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool()  # [B, W, 32]
-    allowed = allowed.reshape(bsz, -1)[:, :vocab]
-    logits.masked_fill_(~allowed, float("-inf"))
+    covered = min(vocab, bitmask.shape[1] * 32)
+    if covered < vocab:
+        logits[:, covered:] = float("-inf")
+    constrained = (bitmask[:, : (covered + 31) // 32] != -1).any(dim=1)  # [B]
+    if not bool(constrained.any()):
+        return
+    if logits.device.type == "cpu" and _cpu_kernel_fits(logits, bitmask):
+        rows = constrained.nonzero().flatten().tolist()
+        _xgrammar_cpu_kernel()(logits, bitmask, vocab_size=covered, indices=rows)
+        return
+    _apply_torch(logits, bitmask.to(logits.device), covered)
+
+
+def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, covered: int) -> None:
+    bsz = logits.shape[0]
+    bits = torch.ones(32, dtype=torch.int32, device=bitmask.device) << torch.arange(
+        32, dtype=torch.int32, device=bitmask.device
+    )
+    banned = (bitmask.unsqueeze(-1) & bits).eq(0).view(bsz, -1)[:, :covered]  # [B, covered]
+    logits[:, :covered].masked_fill_(banned, float("-inf"))
+
+
+def _cpu_kernel_fits(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    return (
+        logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and bitmask.device.type == "cpu"
+        and bitmask.dtype == torch.int32
+        and bitmask.shape[0] == logits.shape[0]
+        and _xgrammar_cpu_kernel() is not None
+    )
+
+
+@functools.cache
+def _xgrammar_cpu_kernel():
+    """xgrammar's C++ CPU kernel (about 2x the torch path), or None without xgrammar."""
+    try:
+        from xgrammar.kernels.apply_token_bitmask_inplace_cpu import (
+            apply_token_bitmask_inplace_cpu,
+        )
+    except ImportError:
+        return None
+    return apply_token_bitmask_inplace_cpu
