@@ -183,6 +183,10 @@ class Executor(TextState):
         """What a read of `name` waits for."""
         return self._var_seq.get(name, self.submitted) if name is not None else self.submitted
 
+    def var_done(self, name: str) -> bool:
+        """An expression setting `name` was submitted and has run."""
+        return name in self._var_seq and self.done >= self._var_seq[name]
+
     def end(self) -> None:
         """The program body returned: nothing more will be submitted."""
         self.call_soon(self._end)

@@ -178,12 +178,11 @@ class ProgramState:
     async def _chunks(self, var_name: str | None, with_meta: bool) -> AsyncIterator[Any]:
         """Runs on the program's loop: new text each time the executor changes."""
         ex = self.stream_executor
-        until = ex.seq_for(var_name)
         sent = 0
         while True:
             version = ex.version
             value = ex.text_ if var_name is None else ex.variables.get(var_name, "")
-            complete = ex.finished if var_name is None else ex.done >= until
+            complete = ex.finished or (var_name is not None and ex.var_done(var_name))
             if isinstance(value, str) and len(value) > sent:
                 chunk, sent = value[sent:], len(value)
                 yield (chunk, ex.meta_info.get(var_name)) if with_meta else chunk
