@@ -95,8 +95,12 @@ def gen(
     constrains the text to parse as that type (the variable holds the text, as in SGLang).
     With `choices`, this is `select(name, choices, ...)`."""
     if choices is not None:
-        return select(name, choices, 0.0 if temperature is None else temperature,
-                      choices_method or token_length_normalized)
+        return select(
+            name,
+            choices,
+            0.0 if temperature is None else temperature,
+            choices_method or token_length_normalized,
+        )
     if regex is not None:
         try:
             re.compile(regex)
@@ -105,15 +109,30 @@ def gen(
     if json_schema is not None:
         json_schema = schema_to_json(json_schema)
     sampling = _given(
-        max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop,
-        stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k,
-        min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        repetition_penalty=repetition_penalty, ignore_eos=ignore_eos, seed=seed, regex=regex,
-        json_schema=json_schema, ebnf=ebnf, json_object=json_object,
+        max_new_tokens=max_tokens,
+        min_new_tokens=min_tokens,
+        n=n,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        repetition_penalty=repetition_penalty,
+        ignore_eos=ignore_eos,
+        seed=seed,
+        regex=regex,
+        json_schema=json_schema,
+        ebnf=ebnf,
+        json_object=json_object,
     )
     logprobs = _given(
-        return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-        top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
+        return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len,
+        top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs,
     )
     return Gen(name, sampling, logprobs, dtype)
 

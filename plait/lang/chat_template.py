@@ -53,7 +53,9 @@ class ChatTemplate:
 
         def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
             return tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False,
+                messages,
+                chat_template=template,
+                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
 
@@ -63,8 +65,9 @@ class ChatTemplate:
         return out
 
     @classmethod
-    def from_string(cls, template: str, special_tokens: dict[str, str] | None = None,
-                    name: str = "jinja") -> ChatTemplate:
+    def from_string(
+        cls, template: str, special_tokens: dict[str, str] | None = None, name: str = "jinja"
+    ) -> ChatTemplate:
         """A Jinja chat template without its tokenizer (e.g. sent by a server); special_tokens
         gives bos_token/eos_token as the template refers to them."""
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -73,8 +76,10 @@ class ChatTemplate:
 
         def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
             rendered, _ = render_jinja_template(
-                conversations=[messages], chat_template=template,
-                add_generation_prompt=add_generation_prompt, **extra,
+                conversations=[messages],
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                **extra,
             )
             return rendered[0]
 
@@ -111,7 +116,7 @@ class ChatTemplate:
             raise ValueError("the template drops or rewrites the message content")
         prefix, suffix = delta.split(SENTINEL, 1)
         if role == "assistant":
-            generation_prompt = self.render(history, True)[len(before):] if history else ""
+            generation_prompt = self.render(history, True)[len(before) :] if history else ""
             if generation_prompt:
                 prefix = generation_prompt
         return prefix, suffix
@@ -124,7 +129,9 @@ class ChatTemplate:
             return ()
         ids = tokenizer.encode(suffix.strip(), add_special_tokens=False) if suffix.strip() else []
         special = set(getattr(tokenizer, "all_special_ids", ()))
-        special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        special |= {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
         return (ids[0],) if ids and ids[0] in special else ()
 
 

@@ -68,16 +68,26 @@ class TokenLengthNormalized(ChoicesSamplingMethod):
 
     name = "token_length_normalized"
 
-    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
-                 output_token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:
+    def __call__(
+        self,
+        *,
+        choices,
+        normalized_prompt_logprobs,
+        input_token_logprobs,
+        output_token_logprobs,
+        unconditional_token_logprobs=None,
+    ) -> ChoicesDecision:
         best = _argmax(normalized_prompt_logprobs)
-        return ChoicesDecision(choices[best], {
-            "choices_method": self.name,
-            "scores": list(normalized_prompt_logprobs),
-            "normalized_prompt_logprobs": normalized_prompt_logprobs,
-            "input_token_logprobs": input_token_logprobs,
-            "output_token_logprobs": output_token_logprobs,
-        })
+        return ChoicesDecision(
+            choices[best],
+            {
+                "choices_method": self.name,
+                "scores": list(normalized_prompt_logprobs),
+                "normalized_prompt_logprobs": normalized_prompt_logprobs,
+                "input_token_logprobs": input_token_logprobs,
+                "output_token_logprobs": output_token_logprobs,
+            },
+        )
 
 
 class GreedyTokenSelection(ChoicesSamplingMethod):
@@ -86,8 +96,15 @@ class GreedyTokenSelection(ChoicesSamplingMethod):
 
     name = "greedy_token_selection"
 
-    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
-                 output_token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:
+    def __call__(
+        self,
+        *,
+        choices,
+        normalized_prompt_logprobs,
+        input_token_logprobs,
+        output_token_logprobs,
+        unconditional_token_logprobs=None,
+    ) -> ChoicesDecision:
         width = max(len(_values(lps)) for lps in input_token_logprobs)
         matrix = []
         for lps in input_token_logprobs:
@@ -99,14 +116,17 @@ class GreedyTokenSelection(ChoicesSamplingMethod):
             remaining = [i for i in remaining if matrix[i][col] == best]
             if len(remaining) == 1:
                 break
-        return ChoicesDecision(choices[remaining[0]], {
-            "choices_method": self.name,
-            "scores": list(normalized_prompt_logprobs),
-            "normalized_prompt_logprobs": normalized_prompt_logprobs,
-            "input_token_logprobs": input_token_logprobs,
-            "output_token_logprobs": output_token_logprobs,
-            "greedy_logprob_matrix": matrix,
-        })
+        return ChoicesDecision(
+            choices[remaining[0]],
+            {
+                "choices_method": self.name,
+                "scores": list(normalized_prompt_logprobs),
+                "normalized_prompt_logprobs": normalized_prompt_logprobs,
+                "input_token_logprobs": input_token_logprobs,
+                "output_token_logprobs": output_token_logprobs,
+                "greedy_logprob_matrix": matrix,
+            },
+        )
 
 
 class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
@@ -120,8 +140,15 @@ class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
     def requires_unconditional_logprobs(self) -> bool:
         return True
 
-    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
-                 output_token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:
+    def __call__(
+        self,
+        *,
+        choices,
+        normalized_prompt_logprobs,
+        input_token_logprobs,
+        output_token_logprobs,
+        unconditional_token_logprobs=None,
+    ) -> ChoicesDecision:
         if unconditional_token_logprobs is None:
             raise ValueError(f"{self.name}: needs unconditional token logprobs")
         scores = []
@@ -130,15 +157,18 @@ class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
                 raise ValueError(f"{self.name}: conditional and unconditional lengths differ")
             diffs = [c[0] - (u[0] or 0.0) for c, u in zip(cond, uncond) if c[0] is not None]
             scores.append(_mean(diffs))
-        return ChoicesDecision(choices[_argmax(scores)], {
-            "choices_method": self.name,
-            "scores": scores,
-            "normalized_prompt_logprobs": normalized_prompt_logprobs,
-            "input_token_logprobs": input_token_logprobs,
-            "output_token_logprobs": output_token_logprobs,
-            "unconditional_token_logprobs": unconditional_token_logprobs,
-            "normalized_unconditional_prompt_logprobs": scores,
-        })
+        return ChoicesDecision(
+            choices[_argmax(scores)],
+            {
+                "choices_method": self.name,
+                "scores": scores,
+                "normalized_prompt_logprobs": normalized_prompt_logprobs,
+                "input_token_logprobs": input_token_logprobs,
+                "output_token_logprobs": output_token_logprobs,
+                "unconditional_token_logprobs": unconditional_token_logprobs,
+                "normalized_unconditional_prompt_logprobs": scores,
+            },
+        )
 
 
 token_length_normalized = TokenLengthNormalized()

@@ -101,7 +101,7 @@ class TextState:
         elif isinstance(expr, VarScopeBegin):
             self.variables[expr.name] = len(self.text_)
         elif isinstance(expr, VarScopeEnd):
-            self.variables[expr.name] = self.text_[self.variables[expr.name]:]
+            self.variables[expr.name] = self.text_[self.variables[expr.name] :]
         else:
             return False
         return True
@@ -111,7 +111,9 @@ class TextState:
 
     def role_begin(self, role: str) -> None:
         if self.cur_role is not None:
-            raise ValueError(f"role {role!r} begins inside role {self.cur_role!r}: roles do not nest")
+            raise ValueError(
+                f"role {role!r} begins inside role {self.cur_role!r}: roles do not nest"
+            )
         prefix, _ = self.chat_template.get_prefix_and_suffix(role, self.messages_)
         self.cur_role = role
         self.fill(prefix)
@@ -120,7 +122,7 @@ class TextState:
     def role_end(self, role: str) -> None:
         if self.cur_role != role:
             raise ValueError(f"role {role!r} ends but the current role is {self.cur_role!r}")
-        content = self.text_[self.cur_role_begin_pos:].lstrip()
+        content = self.text_[self.cur_role_begin_pos :].lstrip()
         _, suffix = self.chat_template.get_prefix_and_suffix(role, self.messages_)
         self.fill(suffix)
         self.messages_.append({"role": role, "content": content})
@@ -198,8 +200,15 @@ class Executor(TextState):
 
     def child(self) -> Executor:
         """A fork branch: it starts when this executor reaches the ForkPoint."""
-        return Executor(self.backend, self.arguments, self.defaults, stream=self.stream,
-                        loop=self.loop, usage=self.usage, gated=True)
+        return Executor(
+            self.backend,
+            self.arguments,
+            self.defaults,
+            stream=self.stream,
+            loop=self.loop,
+            usage=self.usage,
+            gated=True,
+        )
 
     def call_soon(self, fn, *args) -> None:
         if on_loop(self.loop):
@@ -225,8 +234,10 @@ class Executor(TextState):
         if name in self.variables:
             return self.variables[name]
         if self.error_ is not None:
-            raise ProgramError(f"variable {name!r} was not set: the program failed "
-                               f"({type(self.error_).__name__}: {self.error_})") from self.error_
+            raise ProgramError(
+                f"variable {name!r} was not set: the program failed "
+                f"({type(self.error_).__name__}: {self.error_})"
+            ) from self.error_
         raise KeyError(name)
 
     # ------------------------------------------------------------------ loop side
@@ -411,7 +422,9 @@ class Executor(TextState):
             child._end()
         failed = next((c.error_ for c in expr.children if c.error_ is not None), None)
         if failed is not None:
-            raise ProgramError(f"a forked branch failed: {type(failed).__name__}: {failed}") from failed
+            raise ProgramError(
+                f"a forked branch failed: {type(failed).__name__}: {failed}"
+            ) from failed
         if expr.mode == "gather_variable":
             before = set(self.variables)
             for child in expr.children:
@@ -421,7 +434,7 @@ class Executor(TextState):
                         self.meta_info.setdefault(name, []).append(child.meta_info.get(name))
         else:  # concate_and_append: the branches' new text, in order (as text: no KV splicing)
             for child in expr.children:
-                self.fill(child.text_[child.fork_start_text_pos:])
+                self.fill(child.text_[child.fork_start_text_pos :])
 
 
 async def await_on(loop: asyncio.AbstractEventLoop, coro) -> Any:

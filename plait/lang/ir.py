@@ -34,7 +34,12 @@ DTYPE_REGEX = {
 }
 
 # Request options of a gen that are not sampling parameters (SGLang passes them beside).
-LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+LOGPROB_FIELDS = (
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+)
 # SGLang's DSL names -> SamplingParams' names
 SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))

@@ -41,11 +41,17 @@ from plait.sampling import SamplingParams
 
 
 class Function:
-    def __init__(self, func, bind_arguments: dict[str, Any] | None = None,
-                 num_api_spec_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        func,
+        bind_arguments: dict[str, Any] | None = None,
+        num_api_spec_tokens: int | None = None,
+    ) -> None:
         params = list(inspect.signature(func).parameters.values())
-        if not params or params[0].kind not in (params[0].POSITIONAL_ONLY,
-                                                params[0].POSITIONAL_OR_KEYWORD):
+        if not params or params[0].kind not in (
+            params[0].POSITIONAL_ONLY,
+            params[0].POSITIONAL_OR_KEYWORD,
+        ):
             raise TypeError(f"@function {func.__name__}: the first parameter must be the state `s`")
         self.func = func
         self.is_async = inspect.iscoroutinefunction(func)
@@ -62,45 +68,68 @@ class Function:
         return Function(self.func, {**self.bind_arguments, **kwargs}, self.num_api_spec_tokens)
 
     # ------------------------------------------------------------------ one call
-    def run(self, *args: Any, stream: bool = False, backend: Backend | None = None,
-            **kwargs: Any) -> ProgramState:
+    def run(
+        self, *args: Any, stream: bool = False, backend: Backend | None = None, **kwargs: Any
+    ) -> ProgramState:
         """Run once and return the finished state (with stream=True: return at once; read it
         with state.text_iter()). An exception in the body is raised; a failed request is
         on state.error()."""
         program_args, defaults = self._split(kwargs)
         return run_program(self, _backend(backend), args, program_args, defaults, stream)
 
-    async def arun(self, *args: Any, stream: bool = False, backend: Backend | None = None,
-                   **kwargs: Any) -> ProgramState:
+    async def arun(
+        self, *args: Any, stream: bool = False, backend: Backend | None = None, **kwargs: Any
+    ) -> ProgramState:
         program_args, defaults = self._split(kwargs)
         return await arun_program(self, _backend(backend), args, program_args, defaults, stream)
 
     __call__ = run
 
     # ------------------------------------------------------------------ batches
-    def run_batch(self, batch_kwargs: list, *, backend: Backend | None = None,
-                  num_threads: int | str = "auto", max_concurrency: int | None = None,
-                  progress_bar: bool = False, plan_prefix: bool = True,
-                  **sampling: Any) -> BatchResult:
+    def run_batch(
+        self,
+        batch_kwargs: list,
+        *,
+        backend: Backend | None = None,
+        num_threads: int | str = "auto",
+        max_concurrency: int | None = None,
+        progress_bar: bool = False,
+        plan_prefix: bool = True,
+        **sampling: Any,
+    ) -> BatchResult:
         """Run every item (a dict of arguments, or a list/tuple of positional ones); states in
         input order with `.summary`. At most `num_threads` (alias `max_concurrency`) programs
         are in flight; a failing item's error is on its state and the batch goes on.
         `plan_prefix` traces the items to prefill their shared prefixes once first."""
         loop = _blocking_entry("run_batch")
-        coro = self.arun_batch(batch_kwargs, backend=backend, num_threads=num_threads,
-                               max_concurrency=max_concurrency, progress_bar=progress_bar,
-                               plan_prefix=plan_prefix, **sampling)
+        coro = self.arun_batch(
+            batch_kwargs,
+            backend=backend,
+            num_threads=num_threads,
+            max_concurrency=max_concurrency,
+            progress_bar=progress_bar,
+            plan_prefix=plan_prefix,
+            **sampling,
+        )
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    async def arun_batch(self, batch_kwargs: list, *, backend: Backend | None = None,
-                         num_threads: int | str = "auto", max_concurrency: int | None = None,
-                         progress_bar: bool = False, plan_prefix: bool = True,
-                         **sampling: Any) -> BatchResult:
+    async def arun_batch(
+        self,
+        batch_kwargs: list,
+        *,
+        backend: Backend | None = None,
+        num_threads: int | str = "auto",
+        max_concurrency: int | None = None,
+        progress_bar: bool = False,
+        plan_prefix: bool = True,
+        **sampling: Any,
+    ) -> BatchResult:
         items = self._batch_items(batch_kwargs)
         out: list[ProgramState | None] = [None] * len(items)
         summary = BatchSummary()
-        cfg = self._batch_config(backend, len(items), num_threads, max_concurrency, progress_bar,
-                                 plan_prefix, sampling)
+        cfg = self._batch_config(
+            backend, len(items), num_threads, max_concurrency, progress_bar, plan_prefix, sampling
+        )
         async for state in iter_batch(self, items, cfg, summary):
             out[state.index] = state
         result = BatchResult(out)
@@ -120,14 +149,22 @@ class Function:
         finally:
             asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result()
 
-    async def arun_batch_iter(self, batch_kwargs: list, *, backend: Backend | None = None,
-                              num_threads: int | str = "auto", max_concurrency: int | None = None,
-                              progress_bar: bool = False, plan_prefix: bool = True,
-                              summary: BatchSummary | None = None,
-                              **sampling: Any) -> AsyncIterator[ProgramState]:
+    async def arun_batch_iter(
+        self,
+        batch_kwargs: list,
+        *,
+        backend: Backend | None = None,
+        num_threads: int | str = "auto",
+        max_concurrency: int | None = None,
+        progress_bar: bool = False,
+        plan_prefix: bool = True,
+        summary: BatchSummary | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[ProgramState]:
         items = self._batch_items(batch_kwargs)
-        cfg = self._batch_config(backend, len(items), num_threads, max_concurrency, progress_bar,
-                                 plan_prefix, sampling)
+        cfg = self._batch_config(
+            backend, len(items), num_threads, max_concurrency, progress_bar, plan_prefix, sampling
+        )
         async for state in iter_batch(self, items, cfg, summary or BatchSummary()):
             yield state
 
@@ -144,21 +181,26 @@ class Function:
 
     def _batch_items(self, batch_kwargs: list) -> list[dict[str, Any]]:
         if not isinstance(batch_kwargs, (list, tuple)):
-            raise TypeError("run_batch: batch_kwargs must be a list of dicts (or of argument lists)")
+            raise TypeError(
+                "run_batch: batch_kwargs must be a list of dicts (or of argument lists)"
+            )
         items = []
         for i, item in enumerate(batch_kwargs):
             if isinstance(item, (list, tuple)):
                 if len(item) > len(self.arg_names):
-                    raise TypeError(f"run_batch: item {i} has {len(item)} arguments, "
-                                    f"{self.__name__} takes {len(self.arg_names)}")
+                    raise TypeError(
+                        f"run_batch: item {i} has {len(item)} arguments, "
+                        f"{self.__name__} takes {len(self.arg_names)}"
+                    )
                 item = dict(zip(self.arg_names, item))
             elif not isinstance(item, dict):
                 raise TypeError(f"run_batch: item {i} is a {type(item).__name__}, not a dict")
             items.append({**self.bind_arguments, **item})
         return items
 
-    def _batch_config(self, backend, n, num_threads, max_concurrency, progress_bar,
-                      plan_prefix, sampling) -> BatchConfig:
+    def _batch_config(
+        self, backend, n, num_threads, max_concurrency, progress_bar, plan_prefix, sampling
+    ) -> BatchConfig:
         return BatchConfig(
             backend=_backend(backend),
             defaults=_defaults(sampling),

@@ -84,13 +84,21 @@ async def _body_async(fn: Function, state: ProgramState, args: tuple, kwargs: di
         state.stream_executor.end()
 
 
-def _new_state(backend: Backend, kwargs: dict, defaults: Defaults, stream: bool,
-               loop: asyncio.AbstractEventLoop) -> ProgramState:
-    return ProgramState(Executor(backend, kwargs, defaults, stream=stream, loop=loop, usage=Usage()))
+def _new_state(
+    backend: Backend,
+    kwargs: dict,
+    defaults: Defaults,
+    stream: bool,
+    loop: asyncio.AbstractEventLoop,
+) -> ProgramState:
+    return ProgramState(
+        Executor(backend, kwargs, defaults, stream=stream, loop=loop, usage=Usage())
+    )
 
 
-def run_program(fn: Function, backend: Backend, args: tuple, kwargs: dict, defaults: Defaults,
-                stream: bool) -> ProgramState:
+def run_program(
+    fn: Function, backend: Backend, args: tuple, kwargs: dict, defaults: Defaults, stream: bool
+) -> ProgramState:
     loop = _blocking_entry("run")
     state = _new_state(backend, kwargs, defaults, stream, loop)
     if fn.is_async:
@@ -107,8 +115,9 @@ def run_program(fn: Function, backend: Backend, args: tuple, kwargs: dict, defau
     return state
 
 
-async def arun_program(fn: Function, backend: Backend, args: tuple, kwargs: dict,
-                       defaults: Defaults, stream: bool) -> ProgramState:
+async def arun_program(
+    fn: Function, backend: Backend, args: tuple, kwargs: dict, defaults: Defaults, stream: bool
+) -> ProgramState:
     loop = asyncio.get_running_loop()
     state = _new_state(backend, kwargs, defaults, stream, loop)
     if fn.is_async:
@@ -168,12 +177,15 @@ def resolve_concurrency(num_threads: int | str, max_concurrency: int | None, n: 
     if value == "auto":
         value = AUTO_CONCURRENCY
     if not isinstance(value, int) or value < 1:
-        raise ValueError(f"num_threads/max_concurrency: must be a positive integer or 'auto', got {value!r}")
+        raise ValueError(
+            f"num_threads/max_concurrency: must be a positive integer or 'auto', got {value!r}"
+        )
     return max(1, min(value, n))
 
 
-async def iter_batch(fn: Function, items: list[dict[str, Any]], cfg: BatchConfig,
-                     summary: BatchSummary) -> AsyncIterator[ProgramState]:
+async def iter_batch(
+    fn: Function, items: list[dict[str, Any]], cfg: BatchConfig, summary: BatchSummary
+) -> AsyncIterator[ProgramState]:
     """Runs the items with at most cfg.concurrency in flight; yields each state as it
     finishes (`state.index` is its position in `items`). A failing item is a state whose
     error() is set; the batch goes on."""
@@ -181,8 +193,13 @@ async def iter_batch(fn: Function, items: list[dict[str, Any]], cfg: BatchConfig
     loop = asyncio.get_running_loop()
     summary.num_items = len(items)
     plan = await _plan(fn, items, cfg, summary)
-    pool = None if fn.is_async else ThreadPoolExecutor(
-        min(cfg.concurrency, MAX_BODY_THREADS), thread_name_prefix="plait-batch")
+    pool = (
+        None
+        if fn.is_async
+        else ThreadPoolExecutor(
+            min(cfg.concurrency, MAX_BODY_THREADS), thread_name_prefix="plait-batch"
+        )
+    )
     group_commits: dict[str, asyncio.Future] = {}
     pbar = _progress_bar(len(items)) if cfg.progress_bar else None
     results: asyncio.Queue = asyncio.Queue()
@@ -217,8 +234,9 @@ async def iter_batch(fn: Function, items: list[dict[str, Any]], cfg: BatchConfig
         summary.wall_time_s = time.perf_counter() - start
 
 
-async def _plan(fn: Function, items: list[dict[str, Any]], cfg: BatchConfig,
-                summary: BatchSummary) -> BatchPlan:
+async def _plan(
+    fn: Function, items: list[dict[str, Any]], cfg: BatchConfig, summary: BatchSummary
+) -> BatchPlan:
     if not cfg.plan_prefix or len(items) < 2:
         return BatchPlan(list(range(len(items))))
     plan = plan_batch(fn, cfg.backend, items)
@@ -236,15 +254,21 @@ async def _cache(backend: Backend, text: str, summary: BatchSummary) -> None:
         logger.warning("caching a shared prefix failed: %s: %s", type(e).__name__, e)
 
 
-async def _group_commit(prefix: str, commits: dict[str, asyncio.Future], backend: Backend,
-                        summary: BatchSummary) -> None:
+async def _group_commit(
+    prefix: str, commits: dict[str, asyncio.Future], backend: Backend, summary: BatchSummary
+) -> None:
     if prefix not in commits:
         commits[prefix] = asyncio.ensure_future(_cache(backend, prefix, summary))
     await asyncio.shield(commits[prefix])
 
 
-async def _run_item(fn: Function, kwargs: dict[str, Any], cfg: BatchConfig,
-                    loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor | None) -> ProgramState:
+async def _run_item(
+    fn: Function,
+    kwargs: dict[str, Any],
+    cfg: BatchConfig,
+    loop: asyncio.AbstractEventLoop,
+    pool: ThreadPoolExecutor | None,
+) -> ProgramState:
     state = _new_state(cfg.backend, kwargs, cfg.defaults, False, loop)
     ex = state.stream_executor
     try:

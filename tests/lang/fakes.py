@@ -35,8 +35,14 @@ class FakeBackend(Backend):
         return self._template
 
     def _meta(self, prompt: str, completion: int) -> dict:
-        cached = max((len(p) for p in self.cached + self.prompts if prompt.startswith(p)), default=0)
-        return {"prompt_tokens": len(prompt), "cached_tokens": cached, "completion_tokens": completion}
+        cached = max(
+            (len(p) for p in self.cached + self.prompts if prompt.startswith(p)), default=0
+        )
+        return {
+            "prompt_tokens": len(prompt),
+            "cached_tokens": cached,
+            "completion_tokens": completion,
+        }
 
     async def _request(self, prompt: str) -> None:
         self.in_flight += 1

@@ -73,8 +73,12 @@ def test_run_batch_iter_yields_as_programs_finish():
         s += pl.gen("a")
 
     delays = [0.05 * (5 - i) for i in range(5)]
-    seen = [st.index for st in prog.run_batch_iter([{"delay": d} for d in delays],
-                                                   backend=backend, plan_prefix=False)]
+    seen = [
+        st.index
+        for st in prog.run_batch_iter(
+            [{"delay": d} for d in delays], backend=backend, plan_prefix=False
+        )
+    ]
     assert sorted(seen) == list(range(5))
     assert seen[0] == 4  # the shortest delay finished first
 
@@ -105,8 +109,9 @@ def test_plan_batch_groups_items_by_prefix():
 def test_run_batch_caches_shared_prefixes_once():
     backend = FakeBackend()
     header = "A long shared instruction for every item of the batch. " * 4
-    states = few_shot.run_batch([{"header": header, "question": f"q{i}"} for i in range(30)],
-                                backend=backend, num_threads=4)
+    states = few_shot.run_batch(
+        [{"header": header, "question": f"q{i}"} for i in range(30)], backend=backend, num_threads=4
+    )
     assert len(backend.cached) == 1
     assert all(p.startswith(backend.cached[0]) for p in backend.prompts)
     summary = states.summary
@@ -115,8 +120,9 @@ def test_run_batch_caches_shared_prefixes_once():
     assert "cached" in str(summary)
 
     backend = FakeBackend()
-    few_shot.run_batch([{"header": header, "question": "q"}] * 3, backend=backend,
-                       plan_prefix=False)
+    few_shot.run_batch(
+        [{"header": header, "question": "q"}] * 3, backend=backend, plan_prefix=False
+    )
     assert backend.cached == []
 
 
@@ -131,8 +137,10 @@ def test_trace_prefix_stops_at_the_first_model_call():
         s += pl.assistant(pl.gen("reply"))
 
     prefix = trace_prefix(prog, backend, {"name": "Ann"})
-    assert prefix == "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nHi Ann<|im_end|>\n" \
-                     "<|im_start|>assistant\n"
+    assert (
+        prefix == "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nHi Ann<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
     @pl.function
     async def aprog(s, x):

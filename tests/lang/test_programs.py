@@ -241,8 +241,9 @@ def judge(s, answer):
 
 
 def test_run_batch_shares_the_rubric(backend):
-    states = judge.run_batch([{"answer": f"answer number {i}"} for i in range(12)],
-                             backend=backend, num_threads=4)
+    states = judge.run_batch(
+        [{"answer": f"answer number {i}"} for i in range(12)], backend=backend, num_threads=4
+    )
     assert all(st.error() is None and st["grade"] in ("good", "bad") for st in states)
     summary = states.summary
     assert summary.common_prefix_chars > len(RUBRIC) // 2

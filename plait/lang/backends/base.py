@@ -109,7 +109,8 @@ class Backend(ABC):
         self, s: Executor, choices: list[str], temperature: float, method: ChoicesSamplingMethod
     ) -> ChoicesDecision:
         raise UnsupportedFeature(
-            self.name, "select (scoring choices by prompt log-probabilities)",
+            self.name,
+            "select (scoring choices by prompt log-probabilities)",
             "use RuntimeEndpoint or EngineBackend",
         )
 

@@ -1,6 +1,6 @@
 """EngineBackend: programs on an in-process `plait.Engine` (no HTTP).
 
-    backend = EngineBackend(plait.Engine(model_path))     # or EngineBackend(model_path, **server_args)
+    backend = EngineBackend(plait.Engine(model_path))  # or EngineBackend(model_path, **args)
     pl.set_default_backend(backend)
 
 `engine.async_generate` hops to the engine's own loop, so programs may run on any loop.

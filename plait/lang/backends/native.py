@@ -60,7 +60,9 @@ class NativeBackend(Backend):
             )
         return self.chat_template
 
-    async def generate(self, s: Executor, params: SamplingParams, options: LogprobOptions) -> GenResult:
+    async def generate(
+        self, s: Executor, params: SamplingParams, options: LogprobOptions
+    ) -> GenResult:
         out = await self.request(_gen_payload(s.text_, params, options))
         outs = out if isinstance(out, list) else [out]
         for o in outs:
@@ -90,8 +92,9 @@ class NativeBackend(Backend):
         return out["meta_info"]
 
     # ------------------------------------------------------------------ select
-    async def select(self, s: Executor, choices: list[str], temperature: float,
-                     method: ChoicesSamplingMethod) -> ChoicesDecision:
+    async def select(
+        self, s: Executor, choices: list[str], temperature: float, method: ChoicesSamplingMethod
+    ) -> ChoicesDecision:
         if self.tokenizer is not None:
             scored = await self._score_by_tokens(s, choices)
         else:
@@ -128,16 +131,18 @@ class NativeBackend(Backend):
                 {"input_ids": prompt_ids[:shared], "sampling_params": {"max_new_tokens": 0}}
             )
             s.usage.add(out["meta_info"])
-        outs = await self.request({
-            "input_ids": fulls,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-            "return_logprob": True,
-            "logprob_start_len": shared,
-        })
+        outs = await self.request(
+            {
+                "input_ids": fulls,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+                "return_logprob": True,
+                "logprob_start_len": shared,
+            }
+        )
         cond, outputs = [], []
         for out, start in zip(outs, starts):
             s.usage.add(out["meta_info"])
-            entries = out["meta_info"]["input_token_logprobs"][start - shared:]
+            entries = out["meta_info"]["input_token_logprobs"][start - shared :]
             cond.append([self._with_text(e) for e in entries])
             outputs.append(out["meta_info"].get("output_token_logprobs", []))
         return cond, outputs
@@ -146,13 +151,15 @@ class NativeBackend(Backend):
         commit = await self.request({"text": s.text_, "sampling_params": {"max_new_tokens": 0}})
         s.usage.add(commit["meta_info"])
         start = max(commit["meta_info"]["prompt_tokens"] - 1, 0)
-        outs = await self.request({
-            "text": [s.text_ + c for c in choices],
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-            "return_logprob": True,
-            "return_text_in_logprobs": True,
-            "logprob_start_len": start,
-        })
+        outs = await self.request(
+            {
+                "text": [s.text_ + c for c in choices],
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+                "return_logprob": True,
+                "return_text_in_logprobs": True,
+                "logprob_start_len": start,
+            }
+        )
         cond, outputs = [], []
         for out in outs:
             s.usage.add(out["meta_info"])
@@ -165,15 +172,19 @@ class NativeBackend(Backend):
         return cond, outputs
 
     async def _unconditional(self, s: Executor, token_ids: list[list[int]]) -> list[list[list]]:
-        outs = await self.request({
-            "input_ids": token_ids,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-        })
+        outs = await self.request(
+            {
+                "input_ids": token_ids,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
+        )
         for out in outs:
             s.usage.add(out["meta_info"])
-        return [[self._with_text(e) for e in out["meta_info"]["input_token_logprobs"]] for out in outs]
+        return [
+            [self._with_text(e) for e in out["meta_info"]["input_token_logprobs"]] for out in outs
+        ]
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

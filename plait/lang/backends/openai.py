@@ -43,16 +43,31 @@ _OPENAI_FIELDS = {
     "n": "n",
 }
 # fields the API has no way to express (beyond their defaults)
-_UNSUPPORTED = ("min_new_tokens", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
-                "ignore_eos", "regex", "ebnf", "choices")
+_UNSUPPORTED = (
+    "min_new_tokens",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "regex",
+    "ebnf",
+    "choices",
+)
 
 
 class OpenAI(Backend):
     name = "openai"
 
-    def __init__(self, model: str, base_url: str = "https://api.openai.com/v1",
-                 api_key: str | None = None, *, is_chat_model: bool | None = None,
-                 timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        model: str,
+        base_url: str = "https://api.openai.com/v1",
+        api_key: str | None = None,
+        *,
+        is_chat_model: bool | None = None,
+        timeout: float = 600.0,
+    ) -> None:
         self.model = model
         self.base_url = base_url.rstrip("/")
         api_key = api_key or os.environ.get("OPENAI_API_KEY")
@@ -65,7 +80,9 @@ class OpenAI(Backend):
     def get_chat_template(self) -> ChatTemplate:
         return self._template
 
-    async def generate(self, s: Executor, params: SamplingParams, options: LogprobOptions) -> GenResult:
+    async def generate(
+        self, s: Executor, params: SamplingParams, options: LogprobOptions
+    ) -> GenResult:
         path, body = self._request(s, params, options)
         response = await self._client().post(self.base_url + path, json=body)
         if response.status_code != 200:
@@ -102,27 +119,41 @@ class OpenAI(Backend):
         yield "", meta
 
     # ------------------------------------------------------------------ requests
-    def _request(self, s: Executor, params: SamplingParams,
-                 options: LogprobOptions) -> tuple[str, dict[str, Any]]:
+    def _request(
+        self, s: Executor, params: SamplingParams, options: LogprobOptions
+    ) -> tuple[str, dict[str, Any]]:
         if options.return_logprob:
             raise UnsupportedFeature(self.name, "return_logprob", "use RuntimeEndpoint")
         body = {"model": self.model, **_sampling(params, self.name)}
-        chat = self.is_chat_model if self.is_chat_model is not None else bool(
-            s.messages_ or s.cur_role)
+        chat = (
+            self.is_chat_model
+            if self.is_chat_model is not None
+            else bool(s.messages_ or s.cur_role)
+        )
         if not chat:
             if params.json_schema is not None or params.json_object:
-                raise UnsupportedFeature(self.name, "json_schema on /v1/completions",
-                                         "generate JSON inside an assistant role")
+                raise UnsupportedFeature(
+                    self.name,
+                    "json_schema on /v1/completions",
+                    "generate JSON inside an assistant role",
+                )
             return "/completions", body | {"prompt": s.text_}
-        if s.cur_role != "assistant" or s.text_[s.cur_role_begin_pos:].strip():
+        if s.cur_role != "assistant" or s.text_[s.cur_role_begin_pos :].strip():
             raise UnsupportedFeature(
-                self.name, "gen outside the start of an assistant turn",
+                self.name,
+                "gen outside the start of an assistant turn",
                 "chat APIs generate whole assistant messages: put the gen first in "
                 "`with s.assistant(): ...`",
             )
         if params.json_schema is not None:
-            body["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "output", "schema": json.loads(params.json_schema), "strict": True}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "output",
+                    "schema": json.loads(params.json_schema),
+                    "strict": True,
+                },
+            }
         elif params.json_object:
             body["response_format"] = {"type": "json_object"}
         return "/chat/completions", body | {"messages": list(s.messages_)}
@@ -140,8 +171,11 @@ def _sampling(params: SamplingParams, backend: str) -> dict[str, Any]:
     default = SamplingParams()
     for name in _UNSUPPORTED:
         if getattr(params, name) != getattr(default, name):
-            raise UnsupportedFeature(backend, f"{name} (or a dtype constraint)" if name == "regex"
-                                     else name, "use RuntimeEndpoint or EngineBackend")
+            raise UnsupportedFeature(
+                backend,
+                f"{name} (or a dtype constraint)" if name == "regex" else name,
+                "use RuntimeEndpoint or EngineBackend",
+            )
     out = {}
     for ours, theirs in _OPENAI_FIELDS.items():
         value = getattr(params, ours)
@@ -186,7 +220,11 @@ async def _sse(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
 def _error(response: httpx.Response, path: str) -> BackendError:
     try:
         body = response.json()
-        detail = body.get("error", {}).get("message") if isinstance(body.get("error"), dict) else body
+        detail = (
+            body.get("error", {}).get("message") if isinstance(body.get("error"), dict) else body
+        )
     except ValueError:
         detail = response.text[:500]
-    return BackendError(f"openai {path}: HTTP {response.status_code}: {detail}", response.status_code)
+    return BackendError(
+        f"openai {path}: HTTP {response.status_code}: {detail}", response.status_code
+    )

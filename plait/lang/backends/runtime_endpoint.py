@@ -49,14 +49,20 @@ class RuntimeEndpoint(NativeBackend):
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.model_info = self._get("/get_model_info")
         if isinstance(tokenizer, str) or tokenizer is None:
-            tokenizer = _load_tokenizer([tokenizer] if tokenizer else _tokenizer_paths(self.model_info))
+            tokenizer = _load_tokenizer(
+                [tokenizer] if tokenizer else _tokenizer_paths(self.model_info)
+            )
         template = None
         if tokenizer is not None:
             template = ChatTemplate.from_tokenizer(tokenizer, chat_template)
         elif chat_template or self.model_info.get("chat_template"):
             template = ChatTemplate.from_string(
                 chat_template or self.model_info["chat_template"],
-                {k: self.model_info[k] for k in ("bos_token", "eos_token") if self.model_info.get(k)},
+                {
+                    k: self.model_info[k]
+                    for k in ("bos_token", "eos_token")
+                    if self.model_info.get(k)
+                },
             )
         super().__init__(tokenizer=tokenizer, chat_template=template)
 
@@ -92,7 +98,9 @@ class RuntimeEndpoint(NativeBackend):
         client = self._clients.get(loop)
         if client is None:
             client = httpx.AsyncClient(
-                headers=self._headers, limits=self._limits, verify=self.verify,
+                headers=self._headers,
+                limits=self._limits,
+                verify=self.verify,
                 timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
             )
             self._clients[loop] = client
@@ -100,15 +108,17 @@ class RuntimeEndpoint(NativeBackend):
 
     # ------------------------------------------------------------------ control
     def _get(self, path: str) -> dict[str, Any]:
-        response = httpx.get(self.base_url + path, headers=self._headers, verify=self.verify,
-                             timeout=60.0)
+        response = httpx.get(
+            self.base_url + path, headers=self._headers, verify=self.verify, timeout=60.0
+        )
         if response.status_code != 200:
             raise _error(response, path)
         return response.json()
 
     def flush_cache(self) -> None:
-        response = httpx.post(self.base_url + "/flush_cache", headers=self._headers,
-                              verify=self.verify, timeout=60.0)
+        response = httpx.post(
+            self.base_url + "/flush_cache", headers=self._headers, verify=self.verify, timeout=60.0
+        )
         if response.status_code != 200:
             raise _error(response, "/flush_cache")
 
@@ -120,15 +130,17 @@ class Runtime(RuntimeEndpoint):
     """Starts a local `plait serve` process (plait.frontend.runtime.Runtime) and runs programs
     on it; `shutdown()` (or leaving a `with` block) stops it."""
 
-    def __init__(self, model_path: str | None = None, *, chat_template: str | None = None,
-                 **server_args: Any) -> None:
+    def __init__(
+        self, model_path: str | None = None, *, chat_template: str | None = None, **server_args: Any
+    ) -> None:
         from plait.frontend.runtime import Runtime as ServerProcess
 
         server_args.setdefault("log_level", "warning")
         self.server = ServerProcess(model_path, **server_args)
         try:
-            super().__init__(self.server.url, api_key=self.server.api_key,
-                             chat_template=chat_template)
+            super().__init__(
+                self.server.url, api_key=self.server.api_key, chat_template=chat_template
+            )
         except BaseException:
             self.server.shutdown()
             raise
