@@ -180,11 +180,14 @@ class NativeBackend(Backend):
                 "logprob_start_len": 0,
             }
         )
-        for out in outs:
+        result = []
+        for ids, out in zip(token_ids, outs):
             s.usage.add(out["meta_info"])
-        return [
-            [self._with_text(e) for e in out["meta_info"]["input_token_logprobs"]] for out in outs
-        ]
+            entries = [list(e) for e in out["meta_info"]["input_token_logprobs"]]
+            # the first token has no context (None); a server may omit it for 1-token inputs
+            missing = [[None, t, None] for t in ids[: len(ids) - len(entries)]]
+            result.append([self._with_text(e) for e in missing + entries])
+        return result
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
