@@ -18,9 +18,11 @@ CLOSE_MARGIN = 3
 # grammar-state expansions one closing search may use
 CLOSE_SEARCH_NODES = 4000
 # short texts from which a closing is assembled (punctuation, minimal values)
-# (tried in this order: closing punctuation first, then minimal values, then separators)
-_CLOSER_TEXTS = ['"}', "]}", "}}", '"]', "0}", "0]", '"', "}", "]", "0", '""', "[]", "{}",
-                 "null", "false", "true", "1", "a", ",", ":", '":', '",', " "]
+# (tried in this order: compound closers, closers, separators, minimal values, then fillers
+# that only extend a value; a filler before a separator would make the first plan found
+# needlessly long, e.g. 0000... instead of ", ")
+_CLOSER_TEXTS = ['"}', "]}", "}}", '"]', "0}", "0]", '"', "}", "]", ",", ":", '",', '":',
+                 '""', "[]", "{}", "0", "null", "false", "true", "1", "a", " "]
 
 
 class ConstraintTracker:
@@ -157,11 +159,18 @@ class ConstraintTracker:
         return self._closers
 
     def _plan_closing(self, m, max_len: int) -> list[int] | None:
-        """Depth-first search, closers first, over forced text and closer tokens for a
-        sequence after which the matcher can terminate; None if none within max_len tokens
-        (or the node budget). Not always the shortest, but closing-first finds short ones."""
-        path: list[int] = []
-        return path if self._search(m, max_len, path, [CLOSE_SEARCH_NODES]) else None
+        """A short token sequence after which the matcher can terminate (None if none within
+        max_len tokens or the node budget): iterative deepening finds the shortest when it is
+        a few tokens deep; else a depth-first search, closers first, finds a longer one."""
+        budget = [CLOSE_SEARCH_NODES // 2]
+        for depth in range(0, max_len + 1):
+            path: list[int] = []
+            if self._search(m, depth, path, budget):
+                return path
+            if budget[0] <= 0:
+                break
+        path = []
+        return path if self._search(m, max_len, path, [CLOSE_SEARCH_NODES // 2]) else None
 
     def _search(self, m, depth: int, path: list[int], budget: list[int]) -> bool:
         if m.can_terminate():

@@ -67,6 +67,7 @@ class Scheduler:
             "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
             "extend_forwards": 0, "decode_forwards": 0, "retractions": 0, "forced_tokens": 0,
             "finished_requests": 0, "aborted_requests": 0,
+            "request_forwards": 0,  # forwards summed over the requests in them
         }
         self._handlers = {
             TokenizedGenerateReq: self.handle_generate,
@@ -283,6 +284,7 @@ class Scheduler:
         with self.timer("forward"):
             out = self.runner.forward(batch, rows)
         self.counters["extend_forwards" if batch.mode is ForwardMode.EXTEND else "decode_forwards"] += 1
+        self.counters["request_forwards"] += batch.batch_size
         with self.timer("sample"):
             self._process(batch, out.logits, rows, logprob_rows)
 
