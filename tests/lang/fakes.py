@@ -70,7 +70,7 @@ class FakeBackend(Backend):
         await self._request(prompt)
         text = f"<{len(prompt)}>"
         for i, ch in enumerate(text):
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.005)  # a visible pause between pieces
             yield ch, self._meta(prompt, i + 1)
         self.prompts.append(prompt)
         s.usage.add(self._meta(prompt, len(text)))
