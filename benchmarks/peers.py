@@ -62,7 +62,10 @@ class VllmPeer:
 
         self.name = name
         self.llm = LLM(
-            model=model, dtype="float32", enable_prefix_caching=prefix_caching, seed=0,
+            model=model,
+            dtype="float32",
+            enable_prefix_caching=prefix_caching,
+            seed=0,
             max_model_len=max_model_len,
         )
 
@@ -71,7 +74,9 @@ class VllmPeer:
         from vllm.sampling_params import StructuredOutputsParams
 
         sp = SamplingParams(
-            temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
+            temperature=0.0,
+            max_tokens=max_new_tokens,
+            ignore_eos=ignore_eos,
             min_tokens=max_new_tokens if ignore_eos else 0,
             structured_outputs=StructuredOutputsParams(json=json_schema) if json_schema else None,
         )
@@ -96,15 +101,20 @@ class VllmPeer:
 def load_workloads(path: str) -> dict:
     from benchmarks.workloads import SuiteWorkload
 
-    return {name: SuiteWorkload.from_dict(d) for name, d in json.loads(Path(path).read_text()).items()}
+    return {
+        name: SuiteWorkload.from_dict(d) for name, d in json.loads(Path(path).read_text()).items()
+    }
 
 
 def start_engines(args) -> list[VllmPeer]:
     names = args.engines.split(",") if args.engines else list(ENGINES)
     start = time.perf_counter()
     engines = [VllmPeer(n, args.model, ENGINES[n], args.max_model_len) for n in names]
-    print(f"peers: {len(engines)} vLLM engines up in {time.perf_counter() - start:.1f} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"peers: {len(engines)} vLLM engines up in {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return engines
 
 
@@ -139,12 +149,18 @@ def run_all(engines: list[VllmPeer], workloads: dict, repeats: int) -> dict:
                 seconds, outputs = e.run(w)
                 tokens = sum(len(o) for o in outputs)
                 runs[e.name].append({"seconds": seconds, "output_tokens": tokens})
-                print(f"  {w.name:7s} {e.name:26s} {seconds:7.2f} s  {tokens} tokens",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {w.name:7s} {e.name:26s} {seconds:7.2f} s  {tokens} tokens",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for name, rs in runs.items():
             secs = statistics.median(x["seconds"] for x in rs)
-            print(f"{w.name:7s} {name:26s} {w.num_requests / secs:8.2f} req/s "
-                  f"{rs[0]['output_tokens'] / secs:8.0f} out tok/s", file=sys.stderr)
+            print(
+                f"{w.name:7s} {name:26s} {w.num_requests / secs:8.2f} req/s "
+                f"{rs[0]['output_tokens'] / secs:8.0f} out tok/s",
+                file=sys.stderr,
+            )
     return results
 
 
@@ -152,13 +168,18 @@ def engine_info() -> dict:
     import torch
     import vllm
 
-    return {"vllm": vllm.__version__, "torch": torch.__version__,
-            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-            "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+    return {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+    }
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True, help="checkpoint directory")
     ap.add_argument("--workloads", required=True, help="JSON file: {name: SuiteWorkload.to_dict()}")
     ap.add_argument("--engines", default=None, help=f"comma-separated subset of {list(ENGINES)}")
@@ -183,6 +204,9 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     if "LD_PRELOAD" not in os.environ and sys.prefix != sys.base_prefix:  # standalone use
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.peers", *sys.argv[1:]],
-                  peer_env(Path(sys.prefix)))
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "benchmarks.peers", *sys.argv[1:]],
+            peer_env(Path(sys.prefix)),
+        )
     main()

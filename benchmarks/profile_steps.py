@@ -6,8 +6,10 @@ from the scheduler's own timers (StepTimer: forward, sample, schedule, grammar, 
 Cases (the timer is reset once a case's batch is in place, so only its steps count):
   decode            32 requests x 128 prompt tokens, decoding together (batch 32)
   decode + JSON     the same, every request constrained to a JSON schema; `grammar mask` is the
-                    time in the constraint tracker (bitmask fill, matcher advance, jump-forward),
-                    measured inside `sample` and shown apart from it
+                    time in the constraint tracker (bitmask fill, matcher advance, jump-forward,
+                    budget closing), and `sampler` the Sampler call (penalties, applying the
+                    mask, argmax / sampling): both measured inside `sample` and shown apart
+                    (`sample` is what is left: output bookkeeping, stop checks, KV caching)
   prefill           8 distinct 1024-token prompts, 1 output token: extend steps only
   Engine decode     the multi-process Engine (ZMQ between tokenizer, scheduler and detokenizer):
                     deltas of get_server_info()["step_time"] around one generate call; `io` is the
@@ -53,14 +55,23 @@ class InProcess:
     def _time_grammar(self) -> None:
         """Time the constraint tracker's per-step work (called from inside `sample`)."""
         c, timer = self.sched.constraints, self.sched.timer
-        for name in ("bitmask", "accept", "jump_forward"):
-            fn = getattr(c, name)
+        for name in ("bitmask", "accept", "jump_forward", "closing"):
+            fn = getattr(c, name, None)
+            if fn is None:
+                continue
 
             def timed(*a, _fn=fn, **k):
                 with timer("grammar mask"):
                     return _fn(*a, **k)
 
             setattr(c, name, timed)
+        sampler = self.sched.sampler
+
+        def sample(*a, **k):
+            with timer("sampler"):
+                return sampler(*a, **k)
+
+        self.sched.sampler = sample
 
     def submit(self, prompts: list[list[int]], sampling: dict) -> list[str]:
         from plait.messages import TokenizedGenerateReq
@@ -94,11 +105,17 @@ class InProcess:
     def all_running(self, n: int) -> bool:
         s = self.sched
         self._raise_errors()
-        return len(s.running) == n and not s.waiting and s.chunked is None and not s.constraints.pending
+        return (
+            len(s.running) == n
+            and not s.waiting
+            and s.chunked is None
+            and not s.constraints.pending
+        )
 
     def idle(self) -> bool:
-        return (self.io.inbox.empty() and not self.sched.has_work
-                and not self.sched.constraints.pending)
+        return (
+            self.io.inbox.empty() and not self.sched.has_work and not self.sched.constraints.pending
+        )
 
     def measure(self, steps: int) -> dict:
         """Run `steps` steps from a reset timer; the timers and the wall time."""
@@ -109,8 +126,10 @@ class InProcess:
         for _ in range(steps):
             s.step()
         wall = time.perf_counter() - start
-        counters = {k: s.counters[k] - before[k] for k in ("extend_forwards", "decode_forwards",
-                                                           "generation_tokens", "forced_tokens")}
+        counters = {
+            k: s.counters[k] - before[k]
+            for k in ("extend_forwards", "decode_forwards", "generation_tokens", "forced_tokens")
+        }
         return _case(s.timer.summary(), wall, counters)
 
     def finish(self) -> None:
@@ -126,13 +145,20 @@ def _case(timer: dict, wall: float, counters: dict) -> dict:
     seconds = {p: v["seconds"] for p, v in timer.items()}
     calls = {p: v["calls"] for p, v in timer.items()}
     top = sum(v for p, v in seconds.items() if p in PHASES)
-    if "grammar mask" in seconds:  # nested in `sample`: show the two apart
-        seconds["sample"] = seconds.get("sample", 0.0) - seconds["grammar mask"]
+    for nested in ("grammar mask", "sampler"):  # nested in `sample`: show them apart
+        if nested in seconds:
+            seconds["sample"] = seconds.get("sample", 0.0) - seconds[nested]
     seconds["other (untimed)"] = max(0.0, wall - top)
     forwards = counters.get("extend_forwards", 0) + counters.get("decode_forwards", 0)
-    return {"wall_s": wall, "forwards": forwards, "ms_per_step": 1e3 * wall / max(1, forwards),
-            "seconds": seconds, "calls": calls, "counters": counters,
-            "share": {p: v / wall for p, v in seconds.items()} if wall else {}}
+    return {
+        "wall_s": wall,
+        "forwards": forwards,
+        "ms_per_step": 1e3 * wall / max(1, forwards),
+        "seconds": seconds,
+        "calls": calls,
+        "counters": counters,
+        "share": {p: v / wall for p, v in seconds.items()} if wall else {},
+    }
 
 
 def profile_in_process(model: str, quick: bool) -> dict:
@@ -141,7 +167,9 @@ def profile_in_process(model: str, quick: bool) -> dict:
     ip = InProcess(model, max_total_tokens=65536)
     cases: dict = {}
     # warm-up: first calls allocate and pick kernels
-    ip.submit(_prompts(2, 16, ip.vocab, 0), {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True})
+    ip.submit(
+        _prompts(2, 16, ip.vocab, 0), {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    )
     ip.step_until(ip.idle)
     greedy = {"temperature": 0.0, "ignore_eos": True}
 
@@ -154,8 +182,10 @@ def profile_in_process(model: str, quick: bool) -> dict:
         from benchmarks.workloads import PERSON_SCHEMA
 
         schema = json.dumps(PERSON_SCHEMA)
-        ip.submit(_prompts(n, plen, ip.vocab, 2),
-                  {"temperature": 0.0, "max_new_tokens": steps + 4, "json_schema": schema})
+        ip.submit(
+            _prompts(n, plen, ip.vocab, 2),
+            {"temperature": 0.0, "max_new_tokens": steps + 4, "json_schema": schema},
+        )
         ip.step_until(lambda: ip.all_running(n))
         cases[f"decode + JSON (batch {n})"] = ip.measure(steps)
         ip.finish()
@@ -195,8 +225,9 @@ def profile_engine(model: str, quick: bool) -> dict:
     for p, v in after["step_time"].items():
         b = before["step_time"].get(p, {"seconds": 0.0, "calls": 0})
         timer[p] = {"seconds": v["seconds"] - b["seconds"], "calls": v["calls"] - b["calls"]}
-    counters = {k: after[k] - before[k] for k in ("extend_forwards", "decode_forwards",
-                                                  "generation_tokens")}
+    counters = {
+        k: after[k] - before[k] for k in ("extend_forwards", "decode_forwards", "generation_tokens")
+    }
     case = _case(timer, wall, counters)
     case["seconds"]["outside the scheduler"] = case["seconds"].pop("other (untimed)")
     case["share"] = {p: v / wall for p, v in case["seconds"].items()}
@@ -220,14 +251,23 @@ def markdown(prof: dict) -> str:
     phases: list[str] = []
     for v in ok.values():
         phases += [p for p in v["seconds"] if p not in phases]
-    lines = ["## Profile of plait's step time", "",
-             f"{prof['model']}, {prof['torch_threads']} torch threads. Share of wall time per phase "
-             "(scheduler timers; timer reset once each case's batch is in place).", "",
-             "| phase | " + " | ".join(ok) + " |", "|---|" + "---|" * len(ok)]
+    lines = [
+        "## Profile of plait's step time",
+        "",
+        f"{prof['model']}, {prof['torch_threads']} torch threads. Share of wall time per phase "
+        "(scheduler timers; timer reset once each case's batch is in place).",
+        "",
+        "| phase | " + " | ".join(ok) + " |",
+        "|---|" + "---|" * len(ok),
+    ]
     for p in phases:
         cells = [f"{v['share'][p]:.1%}" if p in v["share"] else "—" for v in ok.values()]
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    lines.append("| **ms per forward** | " + " | ".join(f"{v['ms_per_step']:.2f}" for v in ok.values()) + " |")
+    lines.append(
+        "| **ms per forward** | "
+        + " | ".join(f"{v['ms_per_step']:.2f}" for v in ok.values())
+        + " |"
+    )
     for k, v in cases.items():
         if "error" in v:
             lines.append(f"\n- {k}: not measured ({v['error']})")
@@ -235,7 +275,9 @@ def markdown(prof: dict) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="checkpoint dir (default: plait-tiny)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON here")

