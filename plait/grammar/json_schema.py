@@ -91,6 +91,8 @@ JSON_TYPES = ("string", "number", "integer", "object", "array", "boolean", "null
 _MIN_KEYWORDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _MAX_KEYWORDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
 _MAX_MERGE_DEPTH = 32
+# integer ranges up to this many values become an exact enum where bounds alone do not work
+_SMALL_RANGE = 128
 
 
 @dataclass(frozen=True)
@@ -401,47 +403,109 @@ class _Normalizer:
         if not isinstance(s[key], list) or not s[key]:
             raise _error(f"{key} at {path} must be a non-empty list")
         rest = _without(s, key)
-        branches = []
+        raws, cores = [], []
         for i, branch in enumerate(s[key]):
-            raw = self.merge_all([rest, branch], _at(path, key)) if rest else branch
-            core = self.node(raw, _at(_at(path, key), i))
+            where = _at(_at(path, key), i)
+            # oneOf needs each branch's own keywords (to prove exclusivity): expand its $ref
+            raw = self.merge_all([rest, branch], where) if rest or key == "oneOf" else branch
+            core = self.node(raw, where)
             if core is not False:
-                branches.append(core)
-        if not branches:
+                raws.append(raw)
+                cores.append(core)
+        if not cores:
             raise _unsatisfiable(path, f"no {key} branch can match")
         if key == "oneOf":
-            self.check_disjoint(branches, path)
-        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+            cores = [self.exclusive(i, cores, raws, path) for i in range(len(cores))]
+        return cores[0] if len(cores) == 1 else {"anyOf": cores}
 
-    def check_disjoint(self, branches: list, path: str) -> None:
-        for i, a in enumerate(branches):
-            for b in branches[i + 1 :]:
-                if not self.disjoint(a, b):
-                    raise _error(
-                        f"keyword 'oneOf' at {path} is not supported here: its branches may "
-                        "overlap, and 'exactly one' cannot be enforced (anyOf can)"
-                    )
+    def exclusive(self, i: int, cores: list, raws: list, path: str) -> Any:
+        """Branch i's core, restricted if need be so that none of its outputs passes another
+        branch (then oneOf = anyOf); or GrammarError when that cannot be shown."""
+        core = cores[i]
+        for j, raw in enumerate(raws):
+            if j == i or self.never_valid(core, raw):
+                continue
+            core = self.drop_required_of(core, raw)
+            if core is None or not self.never_valid(core, raw):
+                raise _error(
+                    f"keyword 'oneOf' at {path} is not supported here: branch {i} may also match "
+                    f"branch {j}, and 'exactly one' cannot be enforced (anyOf can)"
+                )
+        return core
 
-    def disjoint(self, a: Any, b: Any) -> bool:
-        a, b = self.deref(a), self.deref(b)
-        ta, tb = self.core_types(a), self.core_types(b)
-        if ta is not None and tb is not None and not (_widen(ta) & _widen(tb)):
+    def never_valid(self, core: Any, raw: Any) -> bool:
+        """True if no output of `core` can pass the raw schema `raw` (a sufficient test)."""
+        core = self.deref(core)
+        if raw is False:
             return True
-        va, vb = _values(a), _values(b)
-        if va is not None and vb is not None:
-            return not (va & vb)
-        return self.discriminated(a, b)
-
-    def discriminated(self, a: Any, b: Any) -> bool:
-        """Two objects that require a common property with disjoint constant values."""
-        if a.get("type") != "object" or b.get("type") != "object":
+        if not isinstance(raw, dict):
             return False
-        for name in set(a.get("required", [])) & set(b.get("required", [])):
-            va = _values(self.deref(a["properties"].get(name, {})))
-            vb = _values(self.deref(b["properties"].get(name, {})))
-            if va is not None and vb is not None and not (va & vb):
+        if isinstance(core, dict) and "anyOf" in core:
+            return all(self.never_valid(branch, raw) for branch in core["anyOf"])
+        produced, accepted = self.core_types(core), self.accepted_types(raw, 0)
+        if produced is not None and accepted is not None and not (
+            _widen(produced) & _widen(accepted)
+        ):
+            return True
+        values = _values(core)
+        if values is not None:
+            return not any(self.is_valid(json.loads(v), raw, "oneOf") for v in values)
+        return _closed_object(core) and self.object_excluded(core, raw)
+
+    def object_excluded(self, core: dict, raw: dict) -> bool:
+        required = raw.get("required")
+        if isinstance(required, list) and any(k not in core["properties"] for k in required):
+            return True  # core never writes a key that raw requires
+        raw_props = raw.get("properties")
+        if not isinstance(raw_props, dict):
+            return False
+        if raw.get("additionalProperties") is False and not raw.get("patternProperties"):
+            if any(k not in raw_props for k in core["required"]):
+                return True  # core always writes a key that raw forbids
+        for name in core["required"]:  # a discriminator: core's constant fails raw's schema
+            values = _values(self.deref(core["properties"][name]))
+            sub = raw_props.get(name, True)
+            if values is not None and not any(
+                _valid_bool(sub) if isinstance(sub, bool)
+                else self.is_valid(json.loads(v), sub, "oneOf")
+                for v in values
+            ):
                 return True
         return False
+
+    def drop_required_of(self, core: Any, raw: Any) -> Any:
+        """core without the one optional property whose absence fails raw's `required`."""
+        if not (isinstance(core, dict) and _closed_object(core) and isinstance(raw, dict)):
+            return None
+        required = raw.get("required")
+        if not isinstance(required, list):
+            return None
+        optional = [k for k in required if k not in core["required"] and k in core["properties"]]
+        if not optional:
+            return None
+        props = {k: v for k, v in core["properties"].items() if k != optional[0]}
+        return {**core, "properties": props}
+
+    def accepted_types(self, raw: Any, depth: int) -> set[str] | None:
+        """JSON types a raw schema may accept (None: any, or not worked out)."""
+        if raw is False:
+            return set()
+        if not isinstance(raw, dict) or depth > _MAX_MERGE_DEPTH:
+            return None
+        raw = self.inline(raw, "$", ()) if "$ref" in raw or "allOf" in raw else raw
+        if raw is False:
+            return set()
+        if "const" in raw or "enum" in raw:
+            values = [raw["const"]] if "const" in raw else raw.get("enum", [])
+            return {_json_type(v) for v in values} if isinstance(values, list) else None
+        types = set(_type_list(raw["type"])) if "type" in raw else None
+        for key in ("anyOf", "oneOf"):
+            if isinstance(raw.get(key), list):
+                parts = [self.accepted_types(b, depth + 1) for b in raw[key]]
+                if None not in parts:
+                    union = _widen(set().union(*parts))  # type: ignore[arg-type]
+                    types = union if types is None else types & union
+        return types
 
     def deref(self, core: Any, depth: int = 0) -> Any:
         while isinstance(core, dict) and "$ref" in core and depth < _MAX_MERGE_DEPTH:
@@ -450,7 +514,10 @@ class _Normalizer:
         return core
 
     def core_types(self, core: Any) -> set[str] | None:
+        """JSON types the outputs of a core schema can have (None: any)."""
         core = self.deref(core)
+        if not isinstance(core, dict):
+            return None
         if "type" in core:
             return {core["type"]}
         values = _values(core)
@@ -512,7 +579,6 @@ class _Normalizer:
 
     # ------------------------------------------------------------------ numbers
     def number(self, s: dict, path: str, integer: bool) -> Any:
-        self.needs(s, NUMBER_KEYWORDS, path)
         multiple = s.get("multipleOf", s.get("divisibleBy"))
         if multiple is not None and not integer:
             if not (isinstance(multiple, (int, float)) and float(multiple).is_integer()):
@@ -525,11 +591,36 @@ class _Normalizer:
             _integer_bounds(out, lo, lo_open, hi, hi_open, path)
         else:
             _number_bounds(out, lo, lo_open, hi, hi_open, path)
-        if multiple is not None:
-            step = _integer_step(multiple, path)
-            if step is not None and step != 1:
-                out["multipleOf"] = step
+        step = _integer_step(multiple, path) if multiple is not None else None
+        if step == 1:
+            step = None
+        small = self.small_range(out, step)
+        if small is not None:
+            return small
+        self.needs(s, NUMBER_KEYWORDS, path)
+        if step is not None:
+            if "minimum" in out or "maximum" in out:
+                # measured: xgrammar drops multipleOf next to a bound (and outlines has neither)
+                raise _error(f"keyword 'multipleOf' at {path} together with minimum/maximum is "
+                             f"only supported when the range holds at most {_SMALL_RANGE} values")
+            out["multipleOf"] = step
         return out
+
+    def small_range(self, out: dict, step: int | None) -> Any:
+        """A bounded integer range as an exact enum, when the backend cannot bound integers
+        itself or a multipleOf must hold too (None: keep the bounds)."""
+        if out["type"] != "integer" or "minimum" not in out or "maximum" not in out:
+            return None
+        native = {"minimum", "maximum"} <= self.policy.supported
+        if native and step is None:
+            return None
+        first = out["minimum"] if step is None else -(-out["minimum"] // step) * step
+        values = list(range(first, out["maximum"] + 1, step or 1))
+        if len(values) > _SMALL_RANGE:
+            return None
+        if not values:
+            raise _unsatisfiable("$", "no integer in range is a multiple of multipleOf")
+        return {"const": values[0]} if len(values) == 1 else {"enum": values}
 
     # ------------------------------------------------------------------ objects
     def object(self, s: dict, path: str) -> Any:
@@ -671,6 +762,20 @@ def _widen(types: set[str]) -> set[str]:
     return types | ({"number"} if "integer" in types else set()) | (
         {"integer"} if "number" in types else set()
     )
+
+
+def _closed_object(core: Any) -> bool:
+    """A core object that writes only its declared properties."""
+    return (
+        isinstance(core, dict)
+        and core.get("type") == "object"
+        and core.get("additionalProperties") is False
+        and "patternProperties" not in core
+    )
+
+
+def _valid_bool(schema: bool) -> bool:
+    return schema
 
 
 def _values(core: Any) -> set[str] | None:

@@ -66,12 +66,36 @@ _ANY_VALUE = {
 }
 
 
-def _explicit_any(node):
+def _for_outlines(node: dict) -> dict:
+    """Adapt one core subschema to outlines-core's regex builder (see _ANY_VALUE)."""
+    _check_keys(list(node.get("properties", {})))
+    for value in [node["const"]] if "const" in node else node.get("enum", []):
+        _check_keys(_object_keys(value))
     if node == {}:
         return _ANY_VALUE
     if node.get("type") == "array" and "items" not in node and "prefixItems" not in node:
         return {**node, "items": _ANY_VALUE}
     return node
+
+
+def _check_keys(keys: list[str]) -> None:
+    """outlines-core writes object keys into its regex without JSON-escaping them (measured:
+    the key q"uote comes out as "q"uote"): refuse the keys that need escaping."""
+    for key in keys:
+        if any(c in key for c in '"\\') or any(ord(c) < 0x20 for c in key):
+            raise GrammarError(
+                f"json_schema: the object key {key!r} needs JSON escaping, which the outlines "
+                "backend does not do; use the xgrammar backend",
+                "json_schema",
+            )
+
+
+def _object_keys(value) -> list[str]:
+    if isinstance(value, dict):
+        return list(value) + [k for v in value.values() for k in _object_keys(v)]
+    if isinstance(value, list):
+        return [k for v in value for k in _object_keys(v)]
+    return []
 
 
 class OutlinesBackend(GrammarBackend):
@@ -109,7 +133,7 @@ class OutlinesBackend(GrammarBackend):
 
     def regex_for(self, kind: str, spec: str) -> str:
         if kind == "json_schema":
-            core = map_subschemas(prepare_schema(spec, POLICY), _explicit_any)
+            core = map_subschemas(prepare_schema(spec, POLICY), _for_outlines)
             try:
                 return outlines_core.json_schema.build_regex_from_schema(
                     json.dumps(core), self.whitespace

@@ -352,15 +352,16 @@ def _print(node: Node, json: bool) -> tuple[str, bool]:
         return "|".join(_print(o, json)[0] for o in node.options), False
     text = _group(_print(node.item, json), alt_only=False)
     hi = "" if node.hi is None else str(node.hi)
+    # not atomic: a repeat of a repeat needs a group ("a*{2}" is an error)
     if (node.lo, node.hi) == (0, None):
-        return text + "*", True
+        return text + "*", False
     if (node.lo, node.hi) == (1, None):
-        return text + "+", True
+        return text + "+", False
     if (node.lo, node.hi) == (0, 1):
-        return text + "?", True
+        return text + "?", False
     if node.hi is not None and node.lo == node.hi:
-        return f"{text}{{{node.lo}}}", True
-    return f"{text}{{{node.lo},{hi}}}", True
+        return f"{text}{{{node.lo}}}", False
+    return f"{text}{{{node.lo},{hi}}}", False
 
 
 def _group(printed: tuple[str, bool], alt_only: bool) -> str:

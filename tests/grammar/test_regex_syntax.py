@@ -1,0 +1,138 @@
+"""The portable regex printer: what it prints matches only what the source regex matches
+(checked with Python's re on strings hypothesis draws from the printed regex), JSON-string
+mode yields valid JSON string contents, and unsupported features are refused by name."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from plait.grammar.base import GrammarError
+from plait.grammar.formats import FORMAT_PATTERNS
+from plait.grammar.regex_syntax import (
+    Alt,
+    Char,
+    Node,
+    Seq,
+    choices_regex,
+    json_string_regex,
+    normalize_regex,
+    parse,
+)
+from tests.grammar.strategies import regexes
+
+SETTINGS = settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+
+
+def sample(node: Node, rng: random.Random) -> str:
+    """A random string of the tree's language (repeats capped at lo + 3)."""
+    if isinstance(node, Char):
+        lo, hi = rng.choice(node.chars)
+        return chr(rng.randint(lo, hi))
+    if isinstance(node, Seq):
+        return "".join(sample(item, rng) for item in node.items)
+    if isinstance(node, Alt):
+        return sample(rng.choice(node.options), rng)
+    top = node.lo + 3 if node.hi is None else min(node.hi, node.lo + 3)
+    return "".join(sample(node.item, rng) for _ in range(rng.randint(node.lo, top)))
+
+
+@SETTINGS
+@given(regexes(), st.integers(0, 2**32))
+def test_printed_regex_is_sound(source, seed):
+    printed = normalize_regex(source)
+    tree = parse(printed, "regex")  # the printed text, read back by Python's parser
+    rng = random.Random(seed)
+    for _ in range(10):
+        text = sample(tree, rng)
+        assert re.fullmatch(source, text), (source, printed, text)
+
+
+@SETTINGS
+@given(regexes(), st.integers(0, 3), st.none() | st.integers(0, 8), st.integers(0, 2**32))
+def test_json_string_regex_gives_valid_json_strings(source, low, high, seed):
+    high = None if high is None else max(low, high)
+    try:
+        printed = json_string_regex(source, low, high)
+    except GrammarError:
+        return  # lengths that do not combine with this pattern are refused, by design
+    tree = parse(printed, "regex")
+    rng = random.Random(seed)
+    for _ in range(10):
+        raw = sample(tree, rng)
+        value = json.loads(f'"{raw}"')
+        assert re.search(source, value), (source, printed, raw)
+        assert low <= len(value) and (high is None or len(value) <= high)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_PATTERNS))
+def test_formats_pass_jsonschema_format_checker(fmt):
+    from jsonschema import Draft202012Validator
+
+    checker = Draft202012Validator.FORMAT_CHECKER
+    tree = parse(json_string_regex(FORMAT_PATTERNS[fmt]), "regex")
+    rng = random.Random(0)
+    for _ in range(300):
+        value = json.loads(f'"{sample(tree, rng)}"')
+        assert checker.conforms(value, fmt), (fmt, value)
+
+
+def test_json_mode_escapes_what_json_must_escape():
+    printed = json_string_regex('^a"b\\\\c\\n$')
+    assert re.fullmatch(printed, 'a\\"b\\\\c\\n')
+    assert not re.fullmatch(printed, 'a"b\\c\n')
+
+
+def test_class_escapes_mean_the_same_in_python_and_ecma():
+    assert normalize_regex(r"\d") == "[0-9]"
+    assert re.fullmatch(normalize_regex(r"\D"), "a")
+    assert not re.fullmatch(normalize_regex(r"\D"), "\u0663")  # Arabic-Indic 3: a Python \d
+
+
+def test_lengths_fold_into_one_variable_part():
+    assert json_string_regex(r"^ab[0-9]*c$", 5, 6) == "ab[0-9]{2,3}c"
+    assert json_string_regex(r"^[a-z]+$", 0, 3) == "[a-z]{1,3}"
+    with pytest.raises(GrammarError, match="several variable-length parts"):
+        json_string_regex(r"^a+b+$", 0, 3)
+    with pytest.raises(GrammarError, match="cannot be satisfied"):
+        json_string_regex(r"^\d{4}$", 0, 3)
+
+
+def test_choices_are_exact_and_escaped():
+    printed = choices_regex(["a.b", "(x)", 'q"\\'])
+    for option in ["a.b", "(x)", 'q"\\']:
+        assert re.fullmatch(printed, option)
+    assert not re.fullmatch(printed, "axb")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "feature"),
+    [
+        (r"(?=a)a", "look-ahead"),
+        (r"(?<!a)b", "look-ahead/look-behind"),
+        (r"(a)\1", "back-reference"),
+        (r"a\bb", "word boundary"),
+        (r"(?i)a", "ignore-case"),
+        (r"a^b", "anchor"),
+        (r"a++", "possessive"),
+        (r"(?(1)a|b)", "invalid regular expression|conditional"),
+        (r"[", "invalid regular expression"),
+        (r"\p{L}", "invalid regular expression"),
+    ],
+)
+def test_unsupported_features_are_named(pattern, feature):
+    with pytest.raises(GrammarError, match=feature) as info:
+        normalize_regex(pattern)
+    assert info.value.param == "regex"
+
+
+def test_edge_anchors_and_named_groups_are_accepted():
+    assert normalize_regex(r"^(?:a|b)$") == "[a-b]"
+    assert re.fullmatch(normalize_regex(r"(?<year>\d{4})"), "2024")  # ECMA named group
