@@ -325,12 +325,13 @@ class _Normalizer:
         if not isinstance(schema, dict):
             raise _error(f"{path} is not a schema")
         if len(stack) > _MAX_MERGE_DEPTH:
-            raise _error(f"allOf/$ref at {path} nests too deeply to merge")
+            raise _error(f"keyword 'allOf' at {path} is not supported here: it nests too deeply")
         out: Any = _without(schema, "$ref", "allOf")
         if "$ref" in schema:
             pointer = self.pointer_of(schema["$ref"], path)
             if pointer in stack:
-                raise _error(f"recursive $ref {schema['$ref']!r} inside allOf at {path}")
+                raise _error(f"keyword 'allOf' at {path} is not supported here: it contains the recursive "
+                             f"$ref {schema['$ref']!r}")
             target = self.inline(self.resolve(pointer, path), path, stack + (pointer,))
             out = self.merge(target, out, path)
         for i, sub in enumerate(schema.get("allOf", [])):
@@ -371,7 +372,8 @@ class _Normalizer:
             return a  # merge_objects decides
         if key == "const":
             raise _unsatisfiable(path, "allOf branches require different constants")
-        raise _error(f"allOf at {path}: cannot merge two different '{key}' keywords")
+        raise _error(f"keyword 'allOf' at {path} is not supported here: its branches have "
+                     f"different '{key}' keywords that cannot be merged exactly")
 
     def merge_types(self, a: Any, b: Any, path: str) -> list[str]:
         ta, tb = _type_list(a), _type_list(b)
@@ -385,7 +387,8 @@ class _Normalizer:
         """Exact conjunction of two branches' properties/additionalProperties: a property of
         one branch must also satisfy the other's additionalProperties."""
         if "patternProperties" in a or "patternProperties" in b:
-            raise _error(f"allOf at {path}: cannot merge branches that use patternProperties")
+            raise _error(f"keyword 'allOf' at {path} is not supported here: it merges branches that "
+                         "use patternProperties")
         pa, pb = a.get("properties", {}), b.get("properties", {})
         aa, ab = a.get("additionalProperties", True), b.get("additionalProperties", True)
         props = {k: _all_of(pa.get(k, aa), pb.get(k, ab)) for k in list(pa) + list(pb)}
@@ -582,8 +585,8 @@ class _Normalizer:
         multiple = s.get("multipleOf", s.get("divisibleBy"))
         if multiple is not None and not integer:
             if not (isinstance(multiple, (int, float)) and float(multiple).is_integer()):
-                raise _error(f"keyword 'multipleOf' at {path} is only supported with whole "
-                             "numbers")
+                raise _error(f"keyword 'multipleOf' at {path} is not supported with a fractional "
+                             "value")
             integer = True  # numbers that are multiples of a whole number: print integers
         out: dict = {"type": "integer" if integer else "number"}
         lo, lo_open, hi, hi_open = _bounds(s)
@@ -602,7 +605,8 @@ class _Normalizer:
             if "minimum" in out or "maximum" in out:
                 # measured: xgrammar drops multipleOf next to a bound (and outlines has neither)
                 raise _error(f"keyword 'multipleOf' at {path} together with minimum/maximum is "
-                             f"only supported when the range holds at most {_SMALL_RANGE} values")
+                             f"not supported unless the range holds at most {_SMALL_RANGE} "
+                             "values")
             out["multipleOf"] = step
         return out
 
@@ -630,11 +634,11 @@ class _Normalizer:
         if unevaluated is False and additional is None:
             additional = False  # nothing else evaluates properties in a core object
         elif unevaluated not in (None, True, False):
-            raise _error(f"keyword 'unevaluatedProperties' at {path} is only supported as false")
+            raise _error(f"keyword 'unevaluatedProperties' at {path} is not supported (only false)")
         patterns = s.get("patternProperties") or {}
         if len(patterns) > 1 or (patterns and additional not in (None, False)):
-            raise _error(f"keyword 'patternProperties' at {path} is only supported as a single "
-                         "pattern without additionalProperties")
+            raise _error(f"keyword 'patternProperties' at {path} is not supported with several "
+                         "patterns or with additionalProperties")
         required = list(dict.fromkeys(s.get("required", [])))
         props = self.properties(s, required, additional, patterns, path)
         out: dict = {"type": "object", "properties": props, "required": required}
@@ -655,8 +659,8 @@ class _Normalizer:
         raw = s.get("properties") or {}
         for name in list(raw) + [r for r in required if r not in raw]:
             if any(re.search(p, name) for p in patterns):
-                raise _error(f"keyword 'patternProperties' at {path} matches the declared "
-                             f"property {name!r}; that combination is not supported")
+                raise _error(f"keyword 'patternProperties' at {path} is not supported when its "
+                             f"pattern matches the declared property {name!r}")
             sub = raw.get(name, True if additional is None else additional)
             core = self.node(sub, _at(_at(path, "properties"), name))
             if core is False:
@@ -682,7 +686,7 @@ class _Normalizer:
         if core == {} or not open_keys:
             return  # declared names were checked above
         if core.get("type") != "string":
-            raise _error(f"keyword 'propertyNames' at {path} is only supported as a string schema")
+            raise _error(f"keyword 'propertyNames' at {path} is not supported (only string schemas)")
         out["propertyNames"] = core
 
     def name_allowed(self, name: str, names: Any, where: str) -> bool:
@@ -712,11 +716,12 @@ class _Normalizer:
         items, prefix = s.get("items"), s.get("prefixItems")
         if isinstance(items, list):  # draft <= 2019-09 tuple form
             if prefix is not None:
-                raise _error(f"items as a list together with prefixItems at {path}")
+                raise _error(f"keyword 'items' as a list together with prefixItems at {path} is not "
+                             "supported")
             prefix, items = items, s.get("additionalItems")
         unevaluated = s.get("unevaluatedItems")
         if unevaluated not in (None, True, False):
-            raise _error(f"keyword 'unevaluatedItems' at {path} is only supported as false")
+            raise _error(f"keyword 'unevaluatedItems' at {path} is not supported (only false)")
         if items is None and (prefix or unevaluated is False):
             items = False  # only the declared positions (a subset when items was absent)
         out: dict = {"type": "array"}

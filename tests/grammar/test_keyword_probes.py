@@ -1,0 +1,222 @@
+"""Which JSON-schema keywords each backend enforces, established by experiment.
+
+For every probe schema and backend: either plait refuses it with a GrammarError that names the
+keyword (the expected refusals are listed below, per backend), or it compiles and every random
+walk that finishes validates with jsonschema. The last tests run the *raw* engines on a few
+refused or rewritten keywords and show the violations that made plait refuse or rewrite them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import outlines_core
+import pytest
+import xgrammar as xgr
+
+from plait.grammar.base import GrammarError
+from plait.grammar.outlines_backend import OutlinesCompiled
+from plait.grammar.xgrammar_backend import XGrammarCompiled
+from tests.grammar.conftest import BACKENDS
+
+
+def s(**kw) -> dict:
+    return {"type": "string", **kw}
+
+
+OBJ3 = {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}
+PROBES: dict[str, dict] = {
+    "minLength": s(minLength=5),
+    "maxLength": s(maxLength=2),
+    "pattern": s(pattern="^[a-c]+x$"),
+    "pattern+maxLength": s(pattern="^a[0-9]*$", maxLength=4),
+    "pattern quote": s(pattern='^a"b+$'),
+    "format date": s(format="date"),
+    "format date-time": s(format="date-time"),
+    "format ipv4": s(format="ipv4"),
+    "format uuid": s(format="uuid"),
+    "format email": s(format="email"),
+    "format idn-email": s(format="idn-email"),
+    "minimum": {"type": "integer", "minimum": 5},
+    "int range": {"type": "integer", "minimum": -12, "maximum": 40},
+    "exclusive": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "draft4 exclusive": {"$schema": "http://json-schema.org/draft-04/schema#",
+                         "type": "number", "minimum": 0, "exclusiveMinimum": True},
+    "multipleOf": {"type": "integer", "multipleOf": 7},
+    "multipleOf small range": {"type": "integer", "multipleOf": 3, "minimum": 1, "maximum": 30},
+    "multipleOf one bound": {"type": "integer", "multipleOf": 2, "minimum": 0},
+    "multipleOf fraction": {"type": "number", "multipleOf": 0.5},
+    "minItems/maxItems": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
+                          "maxItems": 3},
+    "uniqueItems": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True},
+    "enum siblings": {"enum": ["a", "bb", 3], "type": "string", "maxLength": 1},
+    "const": {"const": {"k": ["v", None]}},
+    "anyOf": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 1}]},
+    "oneOf overlapping": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+    "oneOf disjoint": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+    "oneOf required": {"type": "object", "properties": {"x": {"type": "integer"},
+                                                        "y": {"type": "integer"}},
+                       "oneOf": [{"required": ["x"]}, {"required": ["y"]}]},
+    "allOf": {"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]},
+    "allOf objects": {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"properties": {"b": {"type": "string"}}, "required": ["b"]}]},
+    "not": {"not": {"type": "string"}},
+    "$ref": {"$defs": {"p": {"type": "string", "maxLength": 3}}, "type": "array",
+             "items": {"$ref": "#/$defs/p"}},
+    "recursive $ref": {"$defs": {"n": {"type": "object", "properties": {
+        "v": {"type": "integer"}, "next": {"$ref": "#/$defs/n"}}, "required": ["v"]}},
+        "$ref": "#/$defs/n"},
+    "remote $ref": {"$ref": "http://example.com/schema.json"},
+    "additionalProperties false": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                   "additionalProperties": False},
+    "additionalProperties schema": {"type": "object",
+                                    "additionalProperties": {"type": "integer", "maximum": 0}},
+    "required undeclared": {"type": "object", "required": ["zz"]},
+    "patternProperties": {"type": "object", "patternProperties": {"^x[0-9]$": {"type": "integer"}}},
+    "propertyNames": {"type": "object", "propertyNames": {"maxLength": 1},
+                      "additionalProperties": {"type": "integer"}},
+    "minProperties": {"type": "object", "properties": OBJ3, "minProperties": 2},
+    "maxProperties": {"type": "object", "properties": OBJ3, "maxProperties": 1},
+    "minProperties open": {"type": "object", "additionalProperties": True, "minProperties": 2},
+    "dependentRequired": {"type": "object", "properties": OBJ3, "dependentRequired": {"a": ["b"]}},
+    "dependencies": {"type": "object", "properties": OBJ3, "dependencies": {"a": ["b"]}},
+    "if/then/else": {"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}},
+    "prefixItems": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}]},
+    "items list (draft 7)": {"$schema": "http://json-schema.org/draft-07/schema#",
+                             "type": "array", "items": [{"type": "string"}],
+                             "additionalItems": {"type": "boolean"}},
+    "contains": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}},
+    "unevaluatedProperties false": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                    "unevaluatedProperties": False},
+    "type list": {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+    "annotations": {"type": "string", "title": "t", "description": "d", "default": "x",
+                    "examples": ["y"], "deprecated": True, "$comment": "c", "readOnly": True},
+    "property name quote": {"type": "object", "properties": {'q"k': {"type": "integer"}},
+                            "required": ['q"k']},
+}
+BOTH = set(BACKENDS)
+OUTLINES = {"outlines"}
+# probe -> backends that refuse it (a GrammarError naming the keyword or the combination)
+REFUSED = {
+    "format idn-email": BOTH,
+    "minimum": OUTLINES,
+    "exclusive": OUTLINES,
+    "draft4 exclusive": OUTLINES,
+    "multipleOf": OUTLINES,
+    "multipleOf one bound": BOTH,
+    "multipleOf fraction": BOTH,
+    "uniqueItems": BOTH,
+    "oneOf overlapping": BOTH,
+    "not": BOTH,
+    "remote $ref": BOTH,
+    "additionalProperties schema": OUTLINES,
+    "patternProperties": OUTLINES,
+    "propertyNames": OUTLINES,
+    "minProperties": OUTLINES,
+    "maxProperties": OUTLINES,
+    "minProperties open": BOTH,
+    "dependentRequired": BOTH,
+    "dependencies": BOTH,
+    "if/then/else": BOTH,
+    "contains": BOTH,
+    "property name quote": OUTLINES,
+}
+
+
+def validator_for(schema: dict):
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("probe", list(PROBES))
+def test_probe(backends, walker, backend_name, probe):
+    schema = PROBES[probe]
+    refused = backend_name in REFUSED.get(probe, set())
+    try:
+        grammar = backends[backend_name].compile("json_schema", json.dumps(schema))
+    except GrammarError as e:
+        assert refused, f"{probe} unexpectedly refused: {e}"
+        assert e.param == "json_schema"
+        assert "not supported" in str(e) or "escaping" in str(e), str(e)
+        return
+    assert not refused, f"{probe} should be refused by {backend_name}"
+    validator, finished = validator_for(schema), 0
+    for seed in range(10):
+        walk = walker.walk(grammar.matcher(), seed=seed)
+        if walk.terminated:
+            finished += 1
+            value = json.loads(walk.text)
+            assert not list(validator.iter_errors(value)), (probe, walk.text)
+    assert finished >= 1, probe
+
+
+def test_refusal_names_keyword_and_path(backends):
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    for backend in backends.values():
+        with pytest.raises(GrammarError, match=r"'uniqueItems' at \$\.properties\.tags") as info:
+            backend.compile("json_schema", json.dumps(schema))
+        assert info.value.param == "json_schema"
+    with pytest.raises(GrammarError, match=r"'minimum' at \$\.properties\.age"):
+        backends["outlines"].compile(
+            "json_schema", json.dumps({"properties": {"age": {"type": "integer", "minimum": 0}}})
+        )
+
+
+def test_supported_features_lists(backends):
+    for backend in backends.values():
+        features = type(backend).supported_features()
+        keywords = features["json_schema"]
+        assert "uniqueItems" in keywords["supported_keywords"]  # conditionally (maxItems <= 1)
+        assert "not" in keywords["refused_keywords"]
+        assert "title" in keywords["ignored_keywords"]
+    assert "ebnf" in backends["xgrammar"].supported_features()["kinds"]
+    assert "ebnf" not in backends["outlines"].supported_features()["kinds"]
+    assert "minimum" in backends["outlines"].supported_features()["json_schema"]["refused_keywords"]
+
+
+# ----------------------------------------------------------------------------- raw engines
+def raw_xgrammar(backend, schema: dict) -> XGrammarCompiled:
+    compiler = xgr.GrammarCompiler(backend.tokenizer_info, max_threads=1)
+    compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    return XGrammarCompiled(compiled, backend.vocab_size, backend.eos_token_ids)
+
+
+def raw_outlines(backend, schema: dict) -> OutlinesCompiled:
+    regex = outlines_core.json_schema.build_regex_from_schema(json.dumps(schema), "")
+    index = outlines_core.Index(regex, backend.vocabulary)
+    return OutlinesCompiled(index, backend.token_info, backend.eos_token_ids)
+
+
+RAW_VIOLATIONS = [
+    ("xgrammar", {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True,
+                  "minItems": 2}),
+    ("xgrammar", {"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}),
+    ("xgrammar", s(pattern='^a"b$')),  # the raw quote breaks the JSON string
+    ("xgrammar", s(minLength=1, maxLength=3)),  # raw control characters inside the string
+    ("xgrammar", {"type": "integer", "minimum": 0, "multipleOf": 2}),
+    ("xgrammar", s(pattern=r"^a(?:x[0-9]+)?b$")),  # optional group: the x gets skipped
+    ("outlines", {"type": "integer", "minimum": 5, "maximum": 9}),
+    ("outlines", {"type": "object", "properties": {'q"k': {"type": "integer"}},
+                  "required": ['q"k']}),
+]
+
+
+@pytest.mark.parametrize(("engine", "schema"), RAW_VIOLATIONS, ids=range(len(RAW_VIOLATIONS)))
+def test_raw_engine_violates_what_plait_refuses_or_rewrites(backends, walker, engine, schema):
+    build = raw_xgrammar if engine == "xgrammar" else raw_outlines
+    grammar = build(backends[engine], schema)
+    validator = validator_for(schema)
+    for seed in range(60):
+        walk = walker.walk(grammar.matcher(), seed=seed, max_steps=60)
+        if not walk.terminated:
+            continue
+        try:
+            value = json.loads(walk.text)
+        except json.JSONDecodeError:
+            return  # invalid JSON: a violation
+        if not validator.is_valid(value):
+            return
+    pytest.fail(f"raw {engine} respected {schema}: plait's refusal may no longer be needed")
