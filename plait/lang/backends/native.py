@@ -10,9 +10,11 @@ select, with the model's tokenizer (exact):
      where its tokenization leaves the prompt's. When the prompt ends inside a token that the
      choice completes (a trailing space: "Answer: " + "yes" is "Answer:", " yes"), the boundary
      token is scored as part of the choice: token healing.
-  2. commit the prefix every choice shares (one prefill, max_new_tokens 0);
+  2. commit the prefix every choice shares (one prefill, max_new_tokens 0), pipelined with
   3. ONE batched request, prompt+choice for all choices, max_new_tokens 0, logprobs from the
-     earliest choice start; each choice keeps the logprobs of its own tokens;
+     earliest choice start; each choice keeps the logprobs of its own tokens. The runtime
+     defers requests sharing an uncached prefix with one in its batch, so the prefix is
+     computed once and the choices hit the cache, without a round trip in between;
   4. for unconditional_likelihood_normalized, one more batch of the choices' tokens alone.
 Without a tokenizer (a remote server whose model is not on this machine) it falls back to
 SGLang's text protocol: logprobs from the last prompt token, dropped unless healing merged it.
@@ -20,6 +22,7 @@ SGLang's text protocol: logprobs from the last prompt token, dropped unless heal
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from abc import abstractmethod
@@ -126,19 +129,18 @@ class NativeBackend(Backend):
         # a choice's scored tokens start where its tokenization leaves the prompt's
         starts = [_common_prefix_len(prompt_ids, ids) for ids in fulls]
         shared = min(starts)
+        batch = {
+            "input_ids": fulls,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": shared,
+        }
         if shared > 0 and s.committed_len < len(s.text_):
-            out = await self.request(
-                {"input_ids": prompt_ids[:shared], "sampling_params": {"max_new_tokens": 0}}
-            )
-            s.usage.add(out["meta_info"])
-        outs = await self.request(
-            {
-                "input_ids": fulls,
-                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-                "return_logprob": True,
-                "logprob_start_len": shared,
-            }
-        )
+            commit = {"input_ids": prompt_ids[:shared], "sampling_params": {"max_new_tokens": 0}}
+            committed, outs = await _pipelined(self.request(commit), self.request(batch))
+            s.usage.add(committed["meta_info"])
+        else:
+            outs = await self.request(batch)
         cond, outputs = [], []
         for out, start in zip(outs, starts):
             s.usage.add(out["meta_info"])
@@ -198,6 +200,21 @@ class NativeBackend(Backend):
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode([token_id])
         return [logprob, token_id, text]
+
+
+async def _pipelined(first, second) -> tuple[Any, Any]:
+    """Send `first`, then `second` without waiting for `first` to finish: the runtime prefills
+    the shared prefix once (its scheduler defers requests that share an uncached prefix with
+    one already in the batch), so the choices hit the cache without a round trip in between."""
+    task = asyncio.ensure_future(first)
+    await asyncio.sleep(0)  # let the commit go out first
+    try:
+        second_out = await second
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    return await task, second_out
 
 
 def _gen_payload(text: str, params: SamplingParams, options: LogprobOptions) -> dict[str, Any]:
