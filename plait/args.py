@@ -60,6 +60,10 @@ class ServerArgs:
     grammar_backend: str = _opt("xgrammar", "constrained-decoding backend", GRAMMAR_BACKENDS)
     grammar_compile_timeout: float = _opt(5.0, "seconds before a constraint compile fails the request")
     grammar_cache_dir: str | None = _opt(None, "persist compiled grammars here (survives restarts)")
+    grammar_isolation: str = _opt(
+        "thread", "run compiles on threads, or in child processes killed at the timeout",
+        ("thread", "process"),
+    )
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
     num_threads: int | None = _opt(None, "torch CPU threads in the scheduler (default: all cores)")
@@ -72,6 +76,7 @@ class ServerArgs:
             "schedule_policy": SCHEDULE_POLICIES,
             "attention_backend": ATTENTION_BACKENDS,
             "grammar_backend": GRAMMAR_BACKENDS,
+            "grammar_isolation": ("thread", "process"),
             "dtype": DTYPES,
             "log_level": LOG_LEVELS,
         }

@@ -619,9 +619,10 @@ class _Normalizer:
         if native and step is None:
             return None
         first = out["minimum"] if step is None else -(-out["minimum"] // step) * step
-        values = list(range(first, out["maximum"] + 1, step or 1))
-        if len(values) > _SMALL_RANGE:
+        span = range(first, out["maximum"] + 1, step or 1)
+        if len(span) > _SMALL_RANGE:  # len() of a range is O(1): never list a huge one
             return None
+        values = list(span)
         if not values:
             raise _unsatisfiable("$", "no integer in range is a multiple of multipleOf")
         return {"const": values[0]} if len(values) == 1 else {"enum": values}

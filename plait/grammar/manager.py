@@ -1,14 +1,20 @@
 """Compile constraints off the caller's thread, with a time budget, an in-memory LRU cache and an
 optional on-disk cache.
 
-Timeouts: compiles run on threads, because both engines release the GIL while they compile
-(xgrammar's C++ compiler and outlines-core's Index construction: measured, a 2 s compile on a
-worker thread left a 10 ms ticker on the main thread on time). Neither can be cancelled, so each
-compile runs on its own short-lived thread, supervised by one of `num_workers` worker threads
-that waits at most `compile_timeout` seconds for it. When the budget runs out the worker fails
-the future with a GrammarError and moves on to the next job: the stuck compile keeps one core
-busy until it ends (its result is then cached) but it never holds up later compiles nor the
-caller. The caller only ever polls `GrammarFuture.done()`.
+`submit` never blocks: it returns a GrammarFuture that the caller polls with done(). Jobs go to
+`num_workers` worker threads; each hands its job to a compiler (workers.py) and waits at most
+`compile_timeout` seconds; a timed-out job fails with a GrammarError and the worker moves on.
+
+isolation="thread" (default): the compile runs on a thread of this process, which both engines
+allow because they release the GIL while compiling (measured: a 2 s xgrammar compile on a thread
+left a 10 ms ticker on the main thread on time). An abandoned thread cannot be stopped and keeps
+its core until it ends (its late result is cached); once more than `num_workers` linger, new
+compiles fail fast.
+isolation="process": the compile runs in a child process that is killed at the deadline, for
+engines whose runaway compiles must not keep memory (outlines-core on a large schema grew past
+10 GB). The grammar comes back serialized, which is cheap for outlines-core's Index but can cost
+far more than the compile for xgrammar (0.8 s compile, 20 s and 235 MB to serialize one dev
+schema's token-mask cache), so it is not the default.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 
 from plait.grammar.base import CompiledGrammar, GrammarBackend, GrammarError
 from plait.grammar.kinds import canonical_spec
+from plait.grammar.workers import TIMED_OUT, BackendSpec, ProcessWorker, ThreadWorker
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +103,7 @@ class _Job:
     kind: str
     spec: str
     future: GrammarFuture = field(default_factory=GrammarFuture)
+    compiled_here: bool = False  # compiled on a thread of this process (not loaded, not a child)
 
 
 @dataclass
@@ -145,6 +153,8 @@ class GrammarManager:
         compile_timeout: float = 5.0,
         cache_dir: str | None = None,
         num_workers: int = 2,
+        *,
+        isolation: str = "thread",
         max_cached: int = 256,
         **backend_options,
     ) -> None:
@@ -153,8 +163,11 @@ class GrammarManager:
                 f"unknown grammar backend {backend_name!r} "
                 f"(known: {', '.join(sorted(GRAMMAR_BACKENDS))})"
             )
+        if isolation not in ("process", "thread"):
+            raise ValueError(f"isolation must be 'process' or 'thread', got {isolation!r}")
         self.backend_name = backend_name
         self.compile_timeout = compile_timeout
+        self.isolation = isolation
         self.max_cached = max_cached
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, CompiledGrammar | GrammarError] = OrderedDict()
@@ -162,12 +175,14 @@ class GrammarManager:
         self._stats = _Stats()
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
-        # the backend (tokenizer tables: ~0.5 s on a 100k vocabulary) is built off the caller
+        self._spec = BackendSpec(backend_name, GRAMMAR_BACKENDS[backend_name][0], tokenizer,
+                                 vocab_size, list(eos_token_ids), backend_options)
+        # this process's backend (deserializes, makes matchers) is built off the caller too:
+        # vocabulary tables take ~0.5 s on a 100k vocabulary
         self._backend_future: GrammarFuture = GrammarFuture()
         self._disk: _DiskCache | None = None
-        args = (backend_name, tokenizer, vocab_size, eos_token_ids, backend_options, cache_dir)
         threading.Thread(
-            target=self._start_backend, args=args, name="grammar-init", daemon=True
+            target=self._start_backend, args=(cache_dir,), name="grammar-init", daemon=True
         ).start()
         self._workers = [
             threading.Thread(target=self._work, name=f"grammar-worker-{i}", daemon=True)
@@ -175,11 +190,15 @@ class GrammarManager:
         ]
         for worker in self._workers:
             worker.start()
+        self._persist_queue: queue.Queue = queue.Queue()
+        self._persister = threading.Thread(target=self._persist, name="grammar-persist",
+                                           daemon=True)
+        self._persister.start()
 
     # ------------------------------------------------------------------ public API
     @property
     def backend(self) -> GrammarBackend:
-        """The backend (waits for it to be built)."""
+        """This process's backend (waits for it to be built)."""
         return self._backend_future.result()  # type: ignore[return-value]
 
     def submit(self, kind: str, spec: str) -> GrammarFuture:
@@ -210,6 +229,7 @@ class GrammarManager:
             out = self._stats.as_dict()
             out.update(
                 backend=self.backend_name,
+                isolation=self.isolation,
                 cached=len(self._cache),
                 in_flight=len(self._inflight),
                 queued=self._queue.qsize(),
@@ -218,8 +238,8 @@ class GrammarManager:
         return out
 
     def shutdown(self) -> None:
-        """Stop the workers; pending compiles fail. A running compile cannot be interrupted:
-        its thread is a daemon and ends with the process."""
+        """Stop the workers and their compiler processes; pending compiles fail. (A thread
+        compile cannot be interrupted: it is a daemon and ends with the process.)"""
         with self._lock:
             if self._closed:
                 return
@@ -227,89 +247,144 @@ class GrammarManager:
         for _ in self._workers:
             self._queue.put(_STOP)
         for worker in self._workers:
-            worker.join(timeout=1.0)
+            worker.join(timeout=5.0)
         self._fail_queued()
+        self._persist_queue.put(_STOP)  # after the grammars already queued for the disk
+        self._persister.join(timeout=60.0)
 
     # ------------------------------------------------------------------ workers
-    def _start_backend(self, name, tokenizer, vocab_size, eos, options, cache_dir) -> None:
+    def _start_backend(self, cache_dir: str | None) -> None:
+        spec = self._spec
         try:
-            backend = create_grammar_backend(name, tokenizer, vocab_size, eos, **options)
+            backend = create_grammar_backend(
+                spec.name, spec.tokenizer, spec.vocab_size, spec.eos_token_ids, **spec.options
+            )
             if cache_dir is not None:
-                self._disk = _DiskCache(Path(cache_dir), backend, tokenizer, vocab_size, eos)
+                self._disk = _DiskCache(Path(cache_dir), backend, spec)
         except Exception as e:  # noqa: BLE001 - every request must see why, not hang
-            logger.exception("grammar backend %s failed to start", name)
+            logger.exception("grammar backend %s failed to start", spec.name)
             self._backend_future._settle(None, GrammarError(f"grammar backend failed: {e}"))
             return
         self._backend_future._settle(backend, None)
 
     def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is _STOP:
-                return
-            self._supervise(job)
+        if self.isolation == "process":
+            compiler = ProcessWorker(self._spec)
+            compiler.start_quietly()  # start the child now, not on the first request
+        else:
+            compiler = ThreadWorker(lambda: self._backend_future.result(), self._finish_late)
+        try:
+            while True:
+                job = self._queue.get()
+                if job is _STOP:
+                    return
+                self._run(job, compiler)
+        finally:
+            compiler.close()
 
-    def _supervise(self, job: _Job) -> None:
-        runner = threading.Thread(
-            target=self._run, args=(job,), name="grammar-compile", daemon=True
-        )
-        started = time.monotonic()
-        runner.start()
-        # the budget starts when the compile does (and covers a slow backend start)
-        runner.join(self.compile_timeout)
-        if not runner.is_alive():
-            return
-        error = GrammarError(
-            f"{job.kind}: compiling the constraint exceeded the {self.compile_timeout:g} s budget"
-        )
-        if job.future._settle(None, error):
-            with self._lock:
-                self._stats.timeouts += 1
-                self._stats.abandoned_running += 1
-                self._inflight.pop(job.key, None)
-            logger.warning("grammar compile abandoned after %.1f s: %s %.80r",
-                           time.monotonic() - started, job.kind, job.spec)
-
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: _Job, compiler) -> None:
         started = time.monotonic()
         try:
-            outcome: CompiledGrammar | GrammarError = self._compile(job)
-        except GrammarError as e:
-            outcome = e
-        except Exception as e:  # noqa: BLE001 - a backend bug must fail one request, not hang it
-            logger.exception("grammar compile crashed: %s %.80r", job.kind, job.spec)
+            outcome = self._outcome(job, compiler)
+        except Exception as e:  # noqa: BLE001 - a bug here must fail one request, not hang it
+            logger.exception("grammar job failed: %s %.80r", job.kind, job.spec)
             outcome = GrammarError(f"{job.kind}: internal error while compiling ({e})", job.kind)
-        self._finish(job, outcome, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        if outcome is TIMED_OUT:
+            self._time_out(job)
+            return
+        self._finish(job, outcome, seconds)
+        if self._disk is not None and isinstance(outcome, CompiledGrammar) and job.compiled_here:
+            self._persist_queue.put((job.key, outcome))
 
-    def _compile(self, job: _Job) -> CompiledGrammar:
+    def _outcome(self, job: _Job, compiler):
+        """The compiled grammar (or GrammarError, or TIMED_OUT) for a job: from the disk cache,
+        else from the compiler; new results are written to the disk cache."""
         backend = self._backend_future.result()
         if self._disk is not None:
-            grammar = self._disk.load(job.key)
-            if grammar is not None:
-                with self._lock:
-                    self._stats.disk_hits += 1
-                return grammar
-        grammar = backend.compile(job.kind, job.spec)
-        if self._disk is not None and self._disk.store(job.key, grammar):
+            data = self._disk.load(job.key)
+            if data is not None:
+                grammar = _deserialize(backend, data)
+                if grammar is not None:
+                    with self._lock:
+                        self._stats.disk_hits += 1
+                    return grammar
+        if self.isolation == "thread" and self._saturated():
+            return GrammarError(
+                f"{job.kind}: the grammar compiler is busy with earlier compiles that ran over "
+                "their budget; try again later", job.kind
+            )
+        outcome = compiler.compile(job.key, job.kind, job.spec, self.compile_timeout)
+        if isinstance(outcome, bytes):  # serialized by a compiler process
+            data, outcome = outcome, _deserialize(backend, outcome)
+            if outcome is None:
+                return GrammarError(f"{job.kind}: the compiled grammar could not be loaded")
+        elif isinstance(outcome, CompiledGrammar):
+            data = None  # serialized by _persist once the request has its grammar
+            job.compiled_here = True
+        else:
+            return outcome
+        if data is not None:
+            self._store(job.key, data)
+        return outcome
+
+    def _store(self, key: tuple, data: bytes | None) -> None:
+        if self._disk is not None and data is not None and self._disk.store(key, data):
             with self._lock:
                 self._stats.disk_writes += 1
-        return grammar
+
+    def _persist(self) -> None:
+        """Write grammars compiled in this process to the disk cache on a thread of its own,
+        after their requests got them: serializing can cost far more than compiling (xgrammar:
+        0.8 s to compile one dev schema, 20 s and 235 MB of JSON to serialize it)."""
+        while True:
+            item = self._persist_queue.get()
+            if item is _STOP:
+                return
+            key, grammar = item
+            try:
+                self._store(key, self._backend_future.result().serialize(grammar))
+            except Exception:  # noqa: BLE001 - a cache write never fails a request
+                logger.warning("could not persist a compiled grammar", exc_info=True)
+
+    def _saturated(self) -> bool:
+        with self._lock:
+            return self._stats.abandoned_running > len(self._workers)
+
+    def _time_out(self, job: _Job) -> None:
+        error = GrammarError(
+            f"{job.kind}: compiling the constraint exceeded the {self.compile_timeout:g} s budget",
+            job.kind,
+        )
+        with self._lock:
+            self._stats.timeouts += 1
+            if self.isolation == "thread":
+                self._stats.abandoned_running += 1
+            self._inflight.pop(job.key, None)
+        job.future._settle(None, error)
+        logger.warning("grammar compile stopped after %.1f s: %s %.80r",
+                       self.compile_timeout, job.kind, job.spec)
 
     def _finish(self, job: _Job, outcome, seconds: float) -> None:
         with self._lock:
             self._stats.observe(seconds)
             if isinstance(outcome, GrammarError):
                 self._stats.failures += 1
-            timed_out = job.future.done()
-            if timed_out:
-                self._stats.abandoned_running -= 1
             self._inflight.pop(job.key, None)
-            self._cache[job.key] = outcome  # a late success still serves the next request
-            self._cache.move_to_end(job.key)
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
-        if not timed_out:
-            job.future._settle(*_split(outcome))
+            self._remember(job.key, outcome)
+        job.future._settle(*_split(outcome))
+
+    def _finish_late(self, key: tuple, outcome) -> None:
+        """An abandoned thread compile ended: its result still serves the next request."""
+        with self._lock:
+            self._stats.abandoned_running -= 1
+            self._remember(key, outcome)
+
+    def _remember(self, key: tuple, outcome) -> None:
+        self._cache[key] = outcome
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.max_cached:
+            self._cache.popitem(last=False)
 
     def _fail_queued(self) -> None:
         while True:
@@ -319,6 +394,14 @@ class GrammarManager:
                 return
             if job is not _STOP:
                 job.future._settle(None, GrammarError("grammar manager is shut down"))
+
+
+def _deserialize(backend: GrammarBackend, data: bytes) -> CompiledGrammar | None:
+    try:
+        return backend.deserialize(data)
+    except Exception:  # noqa: BLE001 - a stale or torn cache file is just a miss
+        logger.warning("ignoring a serialized grammar that does not load", exc_info=True)
+        return None
 
 
 def _split(outcome) -> tuple[CompiledGrammar | None, GrammarError | None]:
@@ -332,32 +415,26 @@ def _finished(outcome) -> GrammarFuture:
 
 
 class _DiskCache:
-    """Compiled grammars as files, in a folder per (backend version, options, vocabulary)."""
+    """Serialized grammars as files, in a folder per (engine version, options, vocabulary)."""
 
-    def __init__(self, root: Path, backend, tokenizer, vocab_size: int, eos: list[int]) -> None:
-        self.backend = backend
-        vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-        digest = hashlib.sha256(f"{vocab}|{vocab_size}|{eos}".encode()).hexdigest()[:16]
+    def __init__(self, root: Path, backend: GrammarBackend, spec: BackendSpec) -> None:
+        vocab = json.dumps(sorted(spec.tokenizer.get_vocab().items()), ensure_ascii=False)
+        digest = hashlib.sha256(
+            f"{vocab}|{spec.vocab_size}|{spec.eos_token_ids}".encode()
+        ).hexdigest()[:16]
         self.folder = root / f"{backend.fingerprint()}-{digest}"
 
     def _path(self, key: tuple) -> Path:
         name = hashlib.sha256(json.dumps(key).encode()).hexdigest()
         return self.folder / f"{name}.bin"
 
-    def load(self, key: tuple) -> CompiledGrammar | None:
-        path = self._path(key)
-        if not path.exists():
-            return None
+    def load(self, key: tuple) -> bytes | None:
         try:
-            return self.backend.deserialize(path.read_bytes())
-        except Exception:  # noqa: BLE001 - a stale or torn file is just a miss
-            logger.warning("ignoring unreadable grammar cache file %s", path)
+            return self._path(key).read_bytes()
+        except OSError:
             return None
 
-    def store(self, key: tuple, grammar: CompiledGrammar) -> bool:
-        data = self.backend.serialize(grammar)
-        if data is None:
-            return False
+    def store(self, key: tuple, data: bytes) -> bool:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")

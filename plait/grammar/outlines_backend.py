@@ -33,6 +33,8 @@ from plait.grammar.vocab import token_bytes
 # patternProperties and propertyNames (outputs violated each), so only the core is allowed.
 POLICY = SchemaPolicy(backend="outlines", supported=CORE_KEYWORDS)
 DEFAULT_MAX_WHITESPACE = 12
+# longest regular expression handed to outlines_core.Index (see compile)
+MAX_REGEX_CHARS = 200_000
 _JUMP_LIMIT = 256  # bytes of forced text computed per state
 
 # json_object: outlines' own regex for {"type": "object"} nests three levels and takes ~10 s
@@ -125,6 +127,14 @@ class OutlinesBackend(GrammarBackend):
     # ------------------------------------------------------------------ compile
     def compile(self, kind: str, spec: str) -> OutlinesCompiled:
         regex = self.regex_for(kind, spec)
+        if len(regex) > MAX_REGEX_CHARS:
+            # measured: a 460 MB regex from one dev schema (eslintrc); its automaton would not
+            # fit in memory, and building it cannot be interrupted on a thread
+            raise GrammarError(
+                f"{kind}: the constraint expands to a {len(regex):,}-character regular "
+                f"expression, over the outlines backend's limit of {MAX_REGEX_CHARS:,}; use the "
+                "xgrammar backend", kind,
+            )
         try:
             index = outlines_core.Index(regex, self.vocabulary)
         except (ValueError, RuntimeError) as e:

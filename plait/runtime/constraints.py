@@ -16,7 +16,12 @@ CLOSE_WINDOW = 48
 # tokens the closing planner may force early: free generation must not outgrow the plan
 CLOSE_MARGIN = 3
 # grammar-state expansions one closing search may use
-CLOSE_SEARCH_NODES = 4000
+CLOSE_SEARCH_NODES = 600
+# re-plan when the last plan plus this slack no longer fits, or after this many steps
+CLOSE_RECHECK_SLACK = 4
+CLOSE_RECHECK_EVERY = 8
+# iterative deepening (shortest plan) up to this depth, then one depth-first search
+CLOSE_SHORTEST_DEPTH = 6
 # short texts from which a closing is assembled (punctuation, minimal values)
 # (tried in this order: compound closers, closers, separators, minimal values, then fillers
 # that only extend a value; a filler before a separator would make the first plan found
@@ -47,6 +52,7 @@ class ConstraintTracker:
                 self.eos_ids,
                 compile_timeout=self.args.grammar_compile_timeout,
                 cache_dir=self.args.grammar_cache_dir,
+                isolation=self.args.grammar_isolation,
             )
         return self._manager
 
@@ -127,11 +133,18 @@ class ConstraintTracker:
     def closing(self, req: Req) -> list[int]:
         """Near max_new_tokens, the shortest token sequence (ending in EOS) that completes
         the constraint, once it no longer fits with room to spare; else []. Forcing it keeps
-        JSON parseable when the budget runs out (finish_reason "stop", not a truncation)."""
+        JSON parseable when the budget runs out (finish_reason "stop", not a truncation).
+        Planning is a grammar search, so it runs only when the last plan's length says the
+        budget is getting tight (or every few steps), not at every token."""
         m, remaining = req.grammar, req.remaining_new_tokens
         if m is None or m.is_terminated() or remaining > CLOSE_WINDOW or not self.eos_ids:
             return []
+        last_len, last_at = req.closing_plan  # last_len -1: no plan was found then
+        tight = last_len is not None and remaining <= last_len + 1 + CLOSE_MARGIN + CLOSE_RECHECK_SLACK
+        if last_len is not None and not tight and last_at - remaining < CLOSE_RECHECK_EVERY:
+            return []
         plan = self._plan_closing(m, remaining - 1)
+        req.closing_plan = (len(plan) if plan is not None else -1, remaining)
         if plan is None or len(plan) + 1 + CLOSE_MARGIN < remaining:
             return []
         return plan + [self._accepted_eos(m, plan)]
@@ -163,7 +176,7 @@ class ConstraintTracker:
         max_len tokens or the node budget): iterative deepening finds the shortest when it is
         a few tokens deep; else a depth-first search, closers first, finds a longer one."""
         budget = [CLOSE_SEARCH_NODES // 2]
-        for depth in range(0, max_len + 1):
+        for depth in range(0, min(max_len, CLOSE_SHORTEST_DEPTH) + 1):
             path: list[int] = []
             if self._search(m, depth, path, budget):
                 return path
@@ -173,15 +186,18 @@ class ConstraintTracker:
         return path if self._search(m, max_len, path, [CLOSE_SEARCH_NODES // 2]) else None
 
     def _search(self, m, depth: int, path: list[int], budget: list[int]) -> bool:
+        """Depth-limited search; every token tried costs one unit of budget."""
         if m.can_terminate():
             return True
-        if depth <= 0 or budget[0] <= 0:
+        if depth <= 0:
             return False
-        budget[0] -= 1
         forced = m.find_jump_forward_string()
         options = [self.tokenizer.encode(forced, add_special_tokens=False)] if forced else []
         options += [[t] for t in self._closer_ids()]
         for toks in options:
+            if budget[0] <= 0:
+                return False
+            budget[0] -= 1
             if len(toks) > depth:
                 continue
             n = 0

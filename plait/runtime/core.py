@@ -39,6 +39,7 @@ class Req:
     grammar: Any = None  # Matcher, once compiled
     forced_ids: list[int] = field(default_factory=list)  # grammar-forced tokens not yet emitted
     num_forced_tokens: int = 0
+    closing_plan: tuple[int | None, int] = (None, 0)  # (length of last closing plan, remaining then)
     finished_reason: dict[str, Any] | None = None
     sent_output_len: int = 0  # output tokens already sent to the detokenizer
 
