@@ -39,6 +39,7 @@ class ConstraintTracker:
         self._manager = None
         self._pending: list[tuple[Req, Any]] = []
         self._closers: list[int] | None = None
+        self._quotes: list[int] | None = None
 
     @property
     def manager(self):
@@ -171,6 +172,27 @@ class ConstraintTracker:
             self._closers = ids
         return self._closers
 
+    def _quote_closer_ids(self) -> list[int]:
+        if self._quotes is None:
+            closers = self._closer_ids()
+            self._quotes = [t for t in closers if self.tokenizer.decode([t]).startswith('"')]
+        return self._quotes
+
+    def _inside_string(self, m) -> bool:
+        """The grammar takes a plain letter here: string content (a literal such as `false`
+        would have been forced by jump-forward instead)."""
+        letter = self._letter_id()
+        if letter is None or not m.accept_token(letter):
+            return False
+        m.rollback(1)
+        return True
+
+    def _letter_id(self) -> int | None:
+        if not hasattr(self, "_letter"):
+            enc = self.tokenizer.encode("a", add_special_tokens=False)
+            self._letter = enc[0] if len(enc) == 1 else None
+        return self._letter
+
     def _plan_closing(self, m, max_len: int) -> list[int] | None:
         """A short token sequence after which the matcher can terminate (None if none within
         max_len tokens or the node budget): iterative deepening finds the shortest when it is
@@ -192,8 +214,16 @@ class ConstraintTracker:
         if depth <= 0:
             return False
         forced = m.find_jump_forward_string()
-        options = [self.tokenizer.encode(forced, add_special_tokens=False)] if forced else []
-        options += [[t] for t in self._closer_ids()]
+        if forced:
+            options = [self.tokenizer.encode(forced, add_special_tokens=False)]
+        elif self._inside_string(m):
+            # only a quote ends a string; any other closer is string content, and a depth-first
+            # search that takes it wanders down ever longer strings until the budget is gone
+            options = [[t] for t in self._quote_closer_ids()]
+        else:  # a quote here opens a string: the other closers first
+            quotes = self._quote_closer_ids()
+            options = [[t] for t in self._closer_ids() if t not in quotes]
+            options += [[t] for t in quotes]
         for toks in options:
             if budget[0] <= 0:
                 return False

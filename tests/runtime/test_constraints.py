@@ -46,18 +46,20 @@ def test_json_schema_outputs_validate(engine, temperature):
         jsonschema.validate(json.loads(o["text"]), SCHEMA)
 
 
-def test_json_closes_within_a_tight_budget(engine):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_closes_within_a_tight_budget(engine, temperature):
+    """32 tokens: the closing plan (~15 tokens) always fits, so every output must end as valid
+    JSON. Greedy decoding on random weights repeats one digit or string token forever: the
+    planner must find the way out of an open number or string (a depth-first search that
+    wandered into string content found none, and every output came back incomplete)."""
     outs = engine.generate(
-        PROMPTS, [{"max_new_tokens": 32, "temperature": 1.0, "seed": i, "json_schema": json.dumps(SCHEMA)}
-                  for i in range(len(PROMPTS))],
+        PROMPTS, [{"max_new_tokens": 32, "temperature": temperature, "seed": i,
+                   "json_schema": json.dumps(SCHEMA)} for i in range(len(PROMPTS))],
     )
     for o in outs:
-        if finished_ok(o):
-            jsonschema.validate(json.loads(o["text"]), SCHEMA)
-        else:  # only when no closing fits: flagged, never silently truncated
-            assert o["meta_info"]["finish_reason"]["type"] == "length"
-            assert o["meta_info"]["incomplete"] is True
-    assert sum(finished_ok(o) for o in outs) >= len(outs) // 2
+        assert finished_ok(o), (o["text"], o["meta_info"])
+        jsonschema.validate(json.loads(o["text"]), SCHEMA)
+        assert o["meta_info"]["completion_tokens"] <= 32
 
 
 def test_regex_and_choices(engine):
