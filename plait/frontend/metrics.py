@@ -18,6 +18,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
 from plait.frontend.tokenizer_manager import ReqState, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,8 @@ class Metrics:
         self.healthy = Gauge(
             "plait_healthy", "1 when the scheduler answered this scrape", registry=r
         )
+        self._scheduler_stats: dict = {}
+        r.register(_SchedulerCounters(self))
 
     # ------------------------------------------------------------------ updates
     def on_finish(self, state: ReqState) -> None:
@@ -132,4 +136,51 @@ class Metrics:
             self.kv_used.set(stats.get("kv_used", 0))
             self.kv_total.set(stats.get("max_total_tokens", 0))
             self.cache_hit_rate.set(stats.get("cache_hit_rate", 0.0))
+            self._scheduler_stats = stats
         return generate_latest(self.registry)
+
+
+class _SchedulerCounters:
+    """Counters the scheduler keeps (forced tokens, forwards, retractions) and its grammar
+    manager's compile statistics, as of the last scrape's stats."""
+
+    COUNTERS = {
+        "forced_tokens": "tokens appended by grammar jump-forward (no decode step each)",
+        "retractions": "running requests sent back to the queue for lack of KV memory",
+        "extend_forwards": "prefill (extend) forward passes",
+        "decode_forwards": "decode forward passes",
+    }
+    GRAMMAR = {
+        "cache_hits": "constraint compiles served from the in-memory cache",
+        "cache_misses": "constraints that had to be compiled (or loaded from disk)",
+        "disk_hits": "compiled constraints loaded from --grammar-cache-dir",
+        "failures": "constraints refused or failed to compile",
+        "timeouts": "constraint compiles over --grammar-compile-timeout",
+    }
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.metrics._scheduler_stats
+        for key, doc in self.COUNTERS.items():
+            family = CounterMetricFamily(f"plait_{key}", doc)
+            family.add_metric([], stats.get(key, 0))
+            yield family
+        grammar = stats.get("grammar") or {}
+        for key, doc in self.GRAMMAR.items():
+            family = CounterMetricFamily(f"plait_grammar_{key}", doc)
+            family.add_metric([], grammar.get(key, 0))
+            yield family
+        hist = grammar.get("compile_seconds") or {"buckets": {}, "sum": 0.0}
+        cumulative, buckets = 0, []
+        for bound, count in hist["buckets"].items():
+            cumulative += count
+            buckets.append((bound, cumulative))
+        if not buckets:
+            buckets = [("+Inf", 0)]
+        family = HistogramMetricFamily(
+            "plait_grammar_compile_seconds", "constraint compile time (seconds)"
+        )
+        family.add_metric([], buckets, hist["sum"])
+        yield family

@@ -511,8 +511,15 @@ async def get_server_info(request: Request) -> Response:
             },
             "num_frontend_requests": len(tm.states),
             "version": _version(),
+            "grammar_backends": _grammar_features(),
         }
     )
+
+
+def _grammar_features() -> dict:
+    from plait.grammar.manager import grammar_backend_features
+
+    return grammar_backend_features()
 
 
 def _version() -> str:

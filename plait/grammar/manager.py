@@ -60,6 +60,17 @@ def create_grammar_backend(
     return backend_cls(tokenizer, vocab_size, list(eos_token_ids), **options)
 
 
+def grammar_backend_features() -> dict[str, dict]:
+    """What each installed backend enforces (GET /get_server_info's `grammar_backends`)."""
+    out: dict[str, dict] = {}
+    for name, (module, cls) in GRAMMAR_BACKENDS.items():
+        try:
+            out[name] = getattr(importlib.import_module(module), cls).supported_features()
+        except ImportError as e:
+            out[name] = {"error": f"not installed ({e})"}
+    return out
+
+
 class GrammarFuture:
     """A compile in progress; done() never blocks."""
 

@@ -118,7 +118,9 @@ class ModelRunner:
         meta, input_ids, positions = self.build_metadata(batch)
         self.attn_backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
-        if len(logit_rows) != hidden.shape[0]:
+        # gather unless the rows are exactly 0..T-1 in order (a full set can come reordered:
+        # sampling rows first, then prompt rows for input logprobs)
+        if logit_rows != list(range(hidden.shape[0])):
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)]
         logits = self.model.compute_logits(hidden)
         return ForwardOutput(logits.cpu() if logits.device.type != "cpu" else logits, logit_rows)

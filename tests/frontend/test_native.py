@@ -3,6 +3,8 @@ including the exact request shapes SGLang's frontend (sglang.RuntimeEndpoint) se
 
 from __future__ import annotations
 
+import json
+
 import threading
 import time
 
@@ -249,6 +251,10 @@ def test_server_info(http, server):
     assert info["pid"] == server.pid
     assert info["served_model_name"] == MODEL_NAME and info["api_key"] is None
     assert http.get("/server_info").status_code == 200
+    grammar = info["grammar_backends"]  # what each constraint backend enforces
+    assert set(grammar) == {"xgrammar", "outlines"}
+    assert "ebnf" in grammar["xgrammar"]["kinds"] and "ebnf" not in grammar["outlines"]["kinds"]
+    assert "not" in grammar["xgrammar"]["json_schema"]["refused_keywords"]
 
 
 def test_flush_cache(http):
@@ -293,3 +299,22 @@ def test_metrics(http):
         assert gauge in samples
     assert samples["plait_kv_cache_total_tokens"] == 16384
     assert samples["plait_healthy"] == 1
+
+
+def test_grammar_metrics(http):
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}},
+              "required": ["k"], "additionalProperties": False}
+    params = {"max_new_tokens": 32, "temperature": 0, "json_schema": json.dumps(schema)}
+    for _ in range(2):  # a compile, then a cache hit
+        assert http.post("/generate", json={"text": "x", "sampling_params": params}).status_code == 200
+    samples = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples["plait_grammar_compile_seconds_count"] >= 1
+    assert samples['plait_grammar_compile_seconds_bucket{le="+Inf"}'] >= 1
+    assert samples["plait_grammar_cache_hits_total"] >= 1
+    assert samples["plait_grammar_cache_misses_total"] >= 1
+    assert samples["plait_forced_tokens_total"] >= 1  # '{"k": "' is forced by the schema
+    assert "plait_grammar_timeouts_total" in samples and "plait_decode_forwards_total" in samples

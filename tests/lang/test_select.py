@@ -47,11 +47,10 @@ def unconditional_logprobs(engine, token_ids: list[int]) -> list[float]:
     return [0.0] * (len(token_ids) - len(values)) + values  # a 1-token input has no entries
 
 
-@pytest.fixture(scope="module")
-def warm_logprobs_ok(engine):
-    """Whether the runtime returns the same input logprobs on a warm prefix cache as cold.
-    (A runtime bug reorders logit rows when every row of an extend needs logits; it is not
-    the language's to fix, but select depends on it.)"""
+def test_warm_input_logprobs_equal_cold(engine):
+    """select scores must not depend on what the prefix cache holds. (Regression: when every
+    row of an extend needed logits, the runner skipped its row gather although the rows came
+    reordered, sampling row first, so warm-cache input logprobs were shifted.)"""
     ids = engine.tokenizer.encode("Answer: good", add_special_tokens=False)
     engine.flush_cache()
     args = dict(
@@ -62,15 +61,8 @@ def warm_logprobs_ok(engine):
     )
     cold = engine.generate(**args)["meta_info"]["input_token_logprobs"]
     warm = engine.generate(**args)["meta_info"]["input_token_logprobs"]
-    return all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(cold, warm))
-
-
-def _xfail_unless(ok: bool) -> None:
-    if not ok:
-        pytest.xfail(
-            "runtime: input logprobs on a warm prefix cache differ from cold ones "
-            "(ModelRunner.forward skips the logit-row gather when every row is needed)"
-        )
+    assert len(cold) == len(warm) == 2
+    assert [a[0] for a in warm] == pytest.approx([a[0] for a in cold], abs=1e-4)
 
 
 def pick_program(prompt: str, choices: list[str], method=pl.token_length_normalized):
@@ -89,11 +81,10 @@ def pick_program(prompt: str, choices: list[str], method=pl.token_length_normali
         ("The color of the sky is bl", ["ue", "ack"]),  # healing inside a word
     ],
 )
-def test_scores_are_the_engines_logprobs(engine, engine_backend, warm_logprobs_ok, prompt, choices):
+def test_scores_are_the_engines_logprobs(engine, engine_backend, prompt, choices):
     state = pick_program(prompt, choices).run(backend=engine_backend)
     assert state.error() is None
     meta = state.get_meta_info("c")
-    _xfail_unless(warm_logprobs_ok)
     for choice, entries, score in zip(choices, meta["input_token_logprobs"], meta["scores"]):
         expected = direct_logprobs(engine, prompt, choice)
         assert [e[0] for e in entries] == pytest.approx(expected, abs=1e-4)
@@ -101,8 +92,7 @@ def test_scores_are_the_engines_logprobs(engine, engine_backend, warm_logprobs_o
     assert state["c"] == choices[meta["scores"].index(max(meta["scores"]))]
 
 
-def test_token_healing_gives_the_same_choice(engine_backend, warm_logprobs_ok):
-    _xfail_unless(warm_logprobs_ok)  # scores would depend on how the runtime batches requests
+def test_token_healing_gives_the_same_choice(engine_backend):
     spaced = pick_program("Question: is the sea salty?\nAnswer: ", CHOICES).run(
         backend=engine_backend
     )
@@ -118,7 +108,7 @@ def test_token_healing_gives_the_same_choice(engine_backend, warm_logprobs_ok):
     assert first.startswith(" ") and len(first) > 1
 
 
-def test_unconditional_likelihood_normalized(engine, engine_backend, warm_logprobs_ok):
+def test_unconditional_likelihood_normalized(engine, engine_backend):
     prompt = "Is fire cold? Answer:"
     choices = [" yes", " no"]
     state = pick_program(prompt, choices, pl.unconditional_likelihood_normalized).run(
@@ -130,7 +120,6 @@ def test_unconditional_likelihood_normalized(engine, engine_backend, warm_logpro
     assert [len(u) for u in meta["unconditional_token_logprobs"]] == [
         len(c) for c in meta["input_token_logprobs"]
     ]
-    _xfail_unless(warm_logprobs_ok)
     for choice, cond, score in zip(choices, meta["input_token_logprobs"], meta["scores"]):
         uncond = unconditional_logprobs(engine, [e[1] for e in cond])
         expected = direct_logprobs(engine, prompt, choice)
