@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from plait.args import ServerArgs
 from plait.frontend.launch import launch_with_tokenizer

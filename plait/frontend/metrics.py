@@ -17,7 +17,6 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from plait.frontend.tokenizer_manager import ReqState, TokenizerManager

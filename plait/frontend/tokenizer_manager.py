@@ -12,8 +12,9 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio

@@ -48,7 +48,7 @@ def main() -> int:
     from plait.grammar.manager import create_grammar_backend
 
     try:
-        spec = pickle.loads(read_frame(requests) or b"")  # noqa: S301 - from our own parent
+        spec = pickle.loads(read_frame(requests) or b"")
         backend = create_grammar_backend(
             spec.name, spec.tokenizer, spec.vocab_size, spec.eos_token_ids, **spec.options
         )

@@ -272,7 +272,7 @@ class GrammarManager:
             )
             if cache_dir is not None:
                 self._disk = _DiskCache(Path(cache_dir), backend, spec)
-        except Exception as e:  # noqa: BLE001 - every request must see why, not hang
+        except Exception as e:
             logger.exception("grammar backend %s failed to start", spec.name)
             self._backend_future._settle(None, GrammarError(f"grammar backend failed: {e}"))
             return
@@ -297,7 +297,7 @@ class GrammarManager:
         started = time.monotonic()
         try:
             outcome = self._outcome(job, compiler)
-        except Exception as e:  # noqa: BLE001 - a bug here must fail one request, not hang it
+        except Exception as e:
             logger.exception("grammar job failed: %s %.80r", job.kind, job.spec)
             outcome = GrammarError(f"{job.kind}: internal error while compiling ({e})", job.kind)
         seconds = time.monotonic() - started
@@ -355,7 +355,7 @@ class GrammarManager:
             key, grammar = item
             try:
                 self._store(key, self._backend_future.result().serialize(grammar))
-            except Exception:  # noqa: BLE001 - a cache write never fails a request
+            except Exception:
                 logger.warning("could not persist a compiled grammar", exc_info=True)
 
     def _saturated(self) -> bool:
@@ -410,7 +410,7 @@ class GrammarManager:
 def _deserialize(backend: GrammarBackend, data: bytes) -> CompiledGrammar | None:
     try:
         return backend.deserialize(data)
-    except Exception:  # noqa: BLE001 - a stale or torn cache file is just a miss
+    except Exception:
         logger.warning("ignoring a serialized grammar that does not load", exc_info=True)
         return None
 

@@ -170,7 +170,7 @@ class OutlinesBackend(GrammarBackend):
         return pickle.dumps(grammar.index)  # Index pickles as its own binary encoding
 
     def deserialize(self, data: bytes) -> CompiledGrammar:
-        index = pickle.loads(data)  # noqa: S301 - our own cache directory
+        index = pickle.loads(data)
         if not isinstance(index, outlines_core.Index):
             raise ValueError("not an outlines_core.Index")
         return OutlinesCompiled(index, self.token_info, self.eos_token_ids)

@@ -23,8 +23,8 @@ from plait.grammar.json_schema import (
 )
 from plait.grammar.kinds import choices_of, json_object_schema
 from plait.grammar.regex_syntax import choices_regex, normalize_regex
-from plait.grammar.xgrammar_patterns import extract_patterns, splice_patterns
 from plait.grammar.vocab import special_token_ids
+from plait.grammar.xgrammar_patterns import extract_patterns, splice_patterns
 
 POLICY = SchemaPolicy(
     backend="xgrammar",

@@ -10,7 +10,6 @@ from plait.args import ServerArgs
 from plait.grammar.base import GrammarError, allocate_token_bitmask
 from plait.runtime.core import Req
 
-
 # start planning a closing once this few output tokens remain
 CLOSE_WINDOW = 48
 # tokens the closing planner may force early: free generation must not outgrow the plan
@@ -198,7 +197,7 @@ class ConstraintTracker:
         max_len tokens or the node budget): iterative deepening finds the shortest when it is
         a few tokens deep; else a depth-first search, closers first, finds a longer one."""
         budget = [CLOSE_SEARCH_NODES // 2]
-        for depth in range(0, min(max_len, CLOSE_SHORTEST_DEPTH) + 1):
+        for depth in range(min(max_len, CLOSE_SHORTEST_DEPTH) + 1):
             path: list[int] = []
             if self._search(m, depth, path, budget):
                 return path

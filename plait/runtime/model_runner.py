@@ -11,7 +11,6 @@ import torch
 from plait.args import ServerArgs
 from plait.kernels.base import (
     AttentionMetadata,
-    ForwardMode,
     create_attention_backend,
     resolve_backend_name,
 )

@@ -4,7 +4,6 @@ including the exact request shapes SGLang's frontend (sglang.RuntimeEndpoint) se
 from __future__ import annotations
 
 import json
-
 import threading
 import time
 

@@ -51,8 +51,8 @@ def test_outlines_schema_stage_on_every_dev_schema():
     Index construction (slow on large schemas) is covered by the slow test below."""
     import outlines_core
 
-    from plait.grammar.outlines_backend import POLICY, _for_outlines
     from plait.grammar.json_schema import map_subschemas
+    from plait.grammar.outlines_backend import POLICY, _for_outlines
 
     accepted = 0
     for path in FILES:
