@@ -12,8 +12,22 @@ import dataclasses
 import json
 import os
 import sys
+import threading
+import time
 
 from plait.args import ServerArgs
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A child never outlives the process that started it (a script that exits without
+    shutting its Engine down, or is killed): it exits once it is re-parented."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class ReadyPipe:
@@ -35,6 +49,7 @@ class ReadyPipe:
 def main() -> None:
     role, config, fd = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     ready = ReadyPipe(fd)
+    _exit_with_parent(os.getppid())
     if role == "scheduler":
         from plait.runtime.scheduler_process import run_scheduler_process
 

@@ -8,6 +8,7 @@ blocks on it, `async_generate` awaits it from the caller's loop.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +34,7 @@ class Engine:
         )
         self._call(self.tokenizer_manager.start())
         self._closed = False
+        atexit.register(self.shutdown)  # an Engine never shut down still stops its children
 
     @property
     def model_info(self) -> dict[str, Any]:
@@ -127,6 +129,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         try:
             self._call(self.tokenizer_manager.close(), timeout=5)
         except Exception:

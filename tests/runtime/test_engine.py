@@ -3,6 +3,8 @@ streaming, abort-free shutdown."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import plait
@@ -116,3 +118,40 @@ def test_kv_returns_to_idle(engine):
 async def test_async_generate(engine):
     out = await engine.async_generate("async prompt", GREEDY)
     assert out["meta_info"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("ending", ["exit", "kill"])
+def test_children_never_outlive_the_script(tiny_llama, ending):
+    """A script that exits without Engine.shutdown() (atexit), or is killed (the children
+    watch their parent), leaves no scheduler or detokenizer behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import json, sys, time, plait\n"
+        f"e = plait.Engine({str(tiny_llama)!r}, max_total_tokens=4096)\n"
+        "print(json.dumps([p.pid for p in e._runtime.procs.values()]), flush=True)\n"
+        + ("time.sleep(600)\n" if ending == "kill" else "")
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = json.loads(proc.stdout.readline())
+    assert len(pids) == 2
+    if ending == "kill":
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+            return f.read().split(")")[-1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)
