@@ -44,6 +44,8 @@ GRAMMAR_BACKENDS: dict[str, tuple[str, str]] = {
     "xgrammar": ("plait.grammar.xgrammar_backend", "XGrammarBackend"),
     "outlines": ("plait.grammar.outlines_backend", "OutlinesBackend"),
 }
+# how long a worker waits for lingering (abandoned) thread compiles before failing its job
+SATURATED_WAIT = 60.0
 HISTOGRAM_BOUNDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _STOP = object()
 
@@ -181,6 +183,7 @@ class GrammarManager:
         self.isolation = isolation
         self.max_cached = max_cached
         self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)  # an abandoned compile ended
         self._cache: OrderedDict[tuple, CompiledGrammar | GrammarError] = OrderedDict()
         self._inflight: dict[tuple, GrammarFuture] = {}
         self._stats = _Stats()
@@ -322,8 +325,8 @@ class GrammarManager:
                     return grammar
         if self.isolation == "thread" and self._saturated():
             return GrammarError(
-                f"{job.kind}: the grammar compiler is busy with earlier compiles that ran over "
-                "their budget; try again later", job.kind
+                f"{job.kind}: the grammar compiler is still busy with earlier compiles that ran "
+                f"over their time limit (waited {SATURATED_WAIT:g} s); try again later", job.kind
             )
         outcome = compiler.compile(job.key, job.kind, job.spec, self.compile_timeout)
         if isinstance(outcome, bytes):  # serialized by a compiler process
@@ -359,8 +362,17 @@ class GrammarManager:
                 logger.warning("could not persist a compiled grammar", exc_info=True)
 
     def _saturated(self) -> bool:
-        with self._lock:
-            return self._stats.abandoned_running > len(self._workers)
+        """Whether more than num_workers abandoned compiles still run after waiting up to
+        SATURATED_WAIT for some to end. (Failing at once instead turned a few slow compiles
+        into a cascade: on the dev schemas under load, 8 timeouts became 90 refusals.)"""
+        deadline = time.monotonic() + SATURATED_WAIT
+        with self._drained:
+            while self._stats.abandoned_running > len(self._workers):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return True
+                self._drained.wait(left)
+            return False
 
     def _time_out(self, job: _Job) -> None:
         error = GrammarError(
@@ -390,6 +402,7 @@ class GrammarManager:
         with self._lock:
             self._stats.abandoned_running -= 1
             self._remember(key, outcome)
+            self._drained.notify_all()
 
     def _remember(self, key: tuple, outcome) -> None:
         self._cache[key] = outcome

@@ -184,3 +184,17 @@ def test_process_isolation_kills_a_slow_compile_and_serves_the_next(make_manager
 def test_isolation_is_checked(tokenizer, vocab_size, eos_ids):
     with pytest.raises(ValueError, match="isolation"):
         GrammarManager("xgrammar", tokenizer, vocab_size, eos_ids, isolation="fork")
+
+
+def test_lingering_compiles_make_later_jobs_wait_not_fail(make_manager):
+    """Two abandoned thread compiles on one worker exceed the linger limit: the next job waits
+    for one of them to end and then compiles (failing at once cascaded into refusals)."""
+    manager = make_manager(compile_timeout=0.2, num_workers=1)
+    kind, spec = SLOW["xgrammar"]
+    slow = [manager.submit(kind, spec.replace('"p0"', f'"q{i}"')) for i in range(2)]
+    quick = manager.submit("regex", "[0-9]{3}")
+    for future in slow:
+        with pytest.raises(GrammarError, match="budget"):
+            future.result(timeout=30)
+    assert quick.result(timeout=60) is not None
+    assert manager.stats()["timeouts"] == 2

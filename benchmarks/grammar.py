@@ -1,0 +1,267 @@
+"""Constrained-generation benchmark (issue 4), both grammar backends side by side.
+
+    python -m benchmarks.grammar [--model DIR] [--backends xgrammar,outlines] [--dev-tokens 48]
+
+1. extraction: 32 JSON-schema requests (a schema with fixed keys: name, age, tags) vs the same
+   32 prompts unconstrained (ignore_eos, as many tokens as the constrained run produced on
+   average): output tokens/s, constrained / unconstrained, and validity of the outputs.
+2. jump-forward: model forward passes per request (the scheduler's `request_forwards` counter)
+   for the same constrained requests with jump-forward on and off, and whether the texts agree.
+3. compile time per schema: cold (first submit) and cached (second submit), GrammarManager on
+   the extraction schema and on five dev schemas.
+4. the 200 JSONSchemaBench dev schemas through the Engine (greedy, --dev-tokens): share accepted,
+   share of finished outputs that validate, refusals grouped by keyword.
+
+Writes benchmarks/results/grammar.json and grammar.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import re
+import time
+from pathlib import Path
+
+from benchmarks import workloads as wl
+
+RESULTS = Path(__file__).parent / "results"
+DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench-dev"
+
+
+def _stats_delta(engine, before: dict) -> dict:
+    after = engine.get_server_info()
+    return {k: after[k] - before[k] for k in ("request_forwards", "forced_tokens")}
+
+
+def extraction(model: str, backend: str, n: int = 32) -> dict:
+    import jsonschema
+
+    import plait
+
+    from plait.runtime.models import ModelConfig
+
+    w = wl.json_constrained(ModelConfig.from_dir(model).vocab_size, n=n)
+    schema = json.loads(w.json_schema)
+    cons = {"max_new_tokens": w.max_new_tokens, "temperature": 0, "json_schema": w.json_schema}
+    out: dict = {}
+    for jf in (True, False):
+        with plait.Engine(model, grammar_backend=backend, disable_jump_forward=not jf) as eng:
+            eng.generate(input_ids=w.prompts[:2], sampling_params=cons)  # compile + warm-up
+            eng.flush_cache()
+            before = eng.get_server_info()
+            t = time.perf_counter()
+            res = eng.generate(input_ids=w.prompts, sampling_params=cons)
+            secs = time.perf_counter() - t
+            delta = _stats_delta(eng, before)
+            texts = [r["text"] for r in res]
+            tokens = sum(r["meta_info"]["completion_tokens"] for r in res)
+            finished = [r for r in res if r["meta_info"]["finish_reason"]["type"] == "stop"]
+            valid = 0
+            for r in finished:
+                try:
+                    jsonschema.validate(json.loads(r["text"]), schema)
+                    valid += 1
+                except Exception:  # noqa: BLE001 - counted as invalid
+                    pass
+            row = {
+                "seconds": secs, "output_tokens": tokens, "out_tok_s": tokens / secs,
+                "forwards_per_request": delta["request_forwards"] / n,
+                "forced_tokens": delta["forced_tokens"], "finished": len(finished) / n,
+                "finished_valid": valid / max(1, len(finished)), "texts": texts,
+            }
+            if jf:  # unconstrained baseline on the same engine: same prompts, same mean length
+                per = max(1, round(tokens / n))
+                free = {"max_new_tokens": per, "temperature": 0, "ignore_eos": True}
+                eng.flush_cache()
+                t = time.perf_counter()
+                ures = eng.generate(input_ids=w.prompts, sampling_params=free)
+                usecs = time.perf_counter() - t
+                utok = sum(r["meta_info"]["completion_tokens"] for r in ures)
+                out["unconstrained"] = {"seconds": usecs, "output_tokens": utok,
+                                        "out_tok_s": utok / usecs}
+            out["jump_forward_on" if jf else "jump_forward_off"] = row
+    on, off = out["jump_forward_on"], out["jump_forward_off"]
+    out["same_text_jf_on_off"] = sum(a == b for a, b in zip(on.pop("texts"), off.pop("texts"))) / n
+    out["constrained_vs_unconstrained"] = on["out_tok_s"] / out["unconstrained"]["out_tok_s"]
+    out["forwards_saved"] = 1 - on["forwards_per_request"] / off["forwards_per_request"]
+    return out
+
+
+def compile_times(model: str, backend: str, schemas: dict[str, str]) -> dict:
+    from transformers import AutoTokenizer
+
+    from plait.grammar.base import GrammarError
+    from plait.grammar.manager import GrammarManager
+    from plait.runtime.models import ModelConfig
+
+    cfg = ModelConfig.from_dir(model)
+    tok = AutoTokenizer.from_pretrained(model)
+    manager = GrammarManager(backend, tok, cfg.vocab_size, list(cfg.eos_token_ids),
+                             compile_timeout=30)
+    manager.backend  # vocabulary tables built before timing
+    out = {}
+    try:
+        for name, spec in schemas.items():
+            row = {}
+            for label in ("cold_ms", "cached_ms"):
+                t = time.perf_counter()
+                try:
+                    manager.submit("json_schema", spec).result(timeout=60)
+                except GrammarError as e:
+                    row["refused"] = str(e)[:120]
+                    break
+                row[label] = (time.perf_counter() - t) * 1000
+            out[name] = row
+    finally:
+        manager.shutdown()
+    return out
+
+
+KEYWORD = re.compile(r"keyword '([^']+)'")
+
+
+def dev_schemas(model: str, backend: str, max_tokens: int) -> dict:
+    import jsonschema
+
+    import plait
+
+    files = sorted(DEV.glob("*/*.json"))
+    if not files:
+        return {"error": f"no schemas at {DEV}"}
+
+    async def run(eng) -> list:
+        sem = asyncio.Semaphore(16)
+
+        async def one(path: Path):
+            spec = path.read_text()
+            async with sem:
+                try:
+                    r = await eng.async_generate(
+                        "Output the JSON now:",
+                        {"max_new_tokens": max_tokens, "temperature": 0, "json_schema": spec},
+                    )
+                    return path, spec, r, None
+                except ValueError as e:
+                    return path, spec, None, str(e)
+
+        return await asyncio.gather(*(one(f) for f in files))
+
+    t = time.perf_counter()
+    with plait.Engine(model, grammar_backend=backend, grammar_compile_timeout=10.0,
+                      max_total_tokens=65536) as eng:
+        results = asyncio.run(run(eng))
+    secs = time.perf_counter() - t
+    accepted = finished = valid = 0
+    refusals: collections.Counter = collections.Counter()
+    invalid: list[str] = []
+    for path, spec, r, err in results:
+        if err is not None:
+            m = KEYWORD.search(err)
+            if m:
+                reason = m.group(1)
+            elif "exceeded" in err:
+                reason = "compile timeout"
+            elif "busy" in err:
+                reason = "compiler busy"
+            else:
+                reason = err.split(":")[-1].strip()[:60]
+            refusals[reason] += 1
+            continue
+        accepted += 1
+        if r["meta_info"]["finish_reason"]["type"] != "stop":
+            continue
+        finished += 1
+        try:
+            jsonschema.validate(json.loads(r["text"]), json.loads(spec))
+            valid += 1
+        except Exception:  # noqa: BLE001 - a guarantee failure: reported by name
+            invalid.append(path.name)
+    return {
+        "schemas": len(files), "accepted": accepted, "accepted_share": accepted / len(files),
+        "finished": finished, "finished_valid": valid / max(1, finished), "invalid": invalid,
+        "refusals": dict(refusals.most_common()), "seconds": secs,
+    }
+
+
+def markdown(res: dict) -> str:
+    lines = [f"## Constrained generation — {res['model_name']}", "",
+             f"`python -m benchmarks.grammar` ({res['when']}); greedy; plait-tiny random weights.",
+             "", "| backend | constrained tok/s | unconstrained tok/s | ratio | forwards/req JF on | "
+             "JF off | fewer forwards | same text on/off | finished | valid |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for b, r in res["backends"].items():
+        e = r["extraction"]
+        on, off, u = e["jump_forward_on"], e["jump_forward_off"], e["unconstrained"]
+        lines.append(
+            f"| {b} | {on['out_tok_s']:.0f} | {u['out_tok_s']:.0f} | "
+            f"{e['constrained_vs_unconstrained']:.2f}x | {on['forwards_per_request']:.1f} | "
+            f"{off['forwards_per_request']:.1f} | {e['forwards_saved']:.0%} | "
+            f"{e['same_text_jf_on_off']:.0%} | {on['finished']:.0%} | {on['finished_valid']:.0%} |")
+    lines += ["", "Compile time (ms), cold / cached:", "",
+              "| schema | " + " | ".join(res["backends"]) + " |",
+              "|---|" + "---|" * len(res["backends"])]
+    names = list(next(iter(res["backends"].values()))["compile"])
+    for n in names:
+        cells = []
+        for r in res["backends"].values():
+            c = r["compile"][n]
+            cells.append("refused" if "refused" in c else
+                         f"{c['cold_ms']:.1f} / {c.get('cached_ms', float('nan')):.3f}")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", "200 JSONSchemaBench dev schemas:", "",
+              "| backend | accepted | finished outputs valid | refusals by keyword |",
+              "|---|---|---|---|"]
+    for b, r in res["backends"].items():
+        d = r["dev"]
+        if "error" in d:
+            lines.append(f"| {b} | {d['error']} | | |")
+            continue
+        top = ", ".join(f"{k} {v}" for k, v in list(d["refusals"].items())[:8])
+        lines.append(f"| {b} | {d['accepted']}/{d['schemas']} ({d['accepted_share']:.0%}) | "
+                     f"{d['finished_valid']:.0%} of {d['finished']} | {top} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    import datetime as dt
+
+    from plait.runtime.default_model import ensure_checkpoint
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="plait-tiny")
+    ap.add_argument("--backends", default="xgrammar,outlines")
+    ap.add_argument("--dev-tokens", type=int, default=48)
+    ap.add_argument("--skip-dev", action="store_true")
+    ap.add_argument("--n", type=int, default=32, help="extraction requests")
+    args = ap.parse_args(argv)
+    model = str(ensure_checkpoint(args.model)) if not Path(args.model).is_dir() else args.model
+    schemas = {"extraction": json.dumps(wl.PERSON_SCHEMA, sort_keys=True)}
+    for f in sorted(DEV.glob("*/*.json"))[::40][:5]:
+        schemas[f.relative_to(DEV).as_posix()] = f.read_text()
+    res = {"model_name": args.model, "when": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+           "backends": {}}
+    for backend in args.backends.split(","):
+        print(f"[{backend}] extraction + jump-forward", flush=True)
+        r = {"extraction": extraction(model, backend, args.n)}
+        print(f"[{backend}] compile times", flush=True)
+        r["compile"] = compile_times(model, backend, schemas)
+        if not args.skip_dev:
+            print(f"[{backend}] 200 dev schemas", flush=True)
+            r["dev"] = dev_schemas(model, backend, args.dev_tokens)
+        else:
+            r["dev"] = {"error": "skipped"}
+        res["backends"][backend] = r
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "grammar.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (RESULTS / "grammar.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
