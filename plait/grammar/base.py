@@ -63,10 +63,30 @@ class CompiledGrammar(ABC):
     def matcher(self) -> Matcher: ...
 
 
+# longest run of whitespace allowed between JSON tokens when any_whitespace is on
+DEFAULT_MAX_WHITESPACE = 12
+
+
 class GrammarBackend(ABC):
     """Compiles constraints for one tokenizer/vocabulary."""
 
     name: str
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        any_whitespace: bool = False,
+        max_whitespace: int = DEFAULT_MAX_WHITESPACE,
+    ) -> None:
+        if not eos_token_ids:
+            raise ValueError("eos_token_ids must not be empty")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.any_whitespace = any_whitespace
+        self.max_whitespace = max_whitespace
 
     @abstractmethod
     def compile(self, kind: str, spec: str) -> CompiledGrammar: ...

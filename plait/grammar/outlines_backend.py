@@ -16,7 +16,13 @@ import numpy as np
 import outlines_core
 import torch
 
-from plait.grammar.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
+from plait.grammar.base import (
+    DEFAULT_MAX_WHITESPACE,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    Matcher,
+)
 from plait.grammar.bitmask import allow_only, copy_row, words_for
 from plait.grammar.json_schema import (
     ANNOTATION_KEYWORDS,
@@ -32,7 +38,6 @@ from plait.grammar.vocab import token_bytes
 # Measured: outlines-core ignores minimum/maximum/exclusive*/multipleOf, min/maxProperties,
 # patternProperties and propertyNames (outputs violated each), so only the core is allowed.
 POLICY = SchemaPolicy(backend="outlines", supported=CORE_KEYWORDS)
-DEFAULT_MAX_WHITESPACE = 12
 # longest regular expression handed to outlines_core.Index (see compile)
 MAX_REGEX_CHARS = 200_000
 _JUMP_LIMIT = 256  # bytes of forced text computed per state
@@ -112,12 +117,8 @@ class OutlinesBackend(GrammarBackend):
         any_whitespace: bool = False,
         max_whitespace: int = DEFAULT_MAX_WHITESPACE,
     ) -> None:
-        if not eos_token_ids:
-            raise ValueError("eos_token_ids must not be empty")
-        self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
-        self.any_whitespace = any_whitespace
-        self.max_whitespace = max_whitespace
+        super().__init__(tokenizer, vocab_size, eos_token_ids, any_whitespace=any_whitespace,
+                         max_whitespace=max_whitespace)
         # compact: no whitespace at all, so the layout is deterministic and jump-forward can
         # force keys and punctuation (outlines' default "[ ]?" leaves every gap open)
         self.whitespace = rf"[ \t\n\r]{{0,{max_whitespace}}}" if any_whitespace else ""

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from plait.grammar.base import CompiledGrammar, GrammarError
+from plait.grammar.base import GrammarError
 from plait.grammar.compiler_process import write_frame, write_json
 
 logger = logging.getLogger(__name__)
@@ -196,6 +196,3 @@ def _compile(backend, kind: str, spec: str, serialize: bool) -> Outcome:
         logger.exception("grammar compile crashed: %s %.80r", kind, spec)
         return GrammarError(f"{kind}: internal error while compiling ({e})", kind)
 
-
-def is_grammar(outcome: Outcome) -> bool:
-    return isinstance(outcome, CompiledGrammar)

@@ -13,7 +13,13 @@ import os
 import torch
 import xgrammar as xgr
 
-from plait.grammar.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
+from plait.grammar.base import (
+    DEFAULT_MAX_WHITESPACE,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    Matcher,
+)
 from plait.grammar.bitmask import allow_only, copy_row
 from plait.grammar.json_schema import (
     ANNOTATION_KEYWORDS,
@@ -34,7 +40,6 @@ POLICY = SchemaPolicy(
         "divisibleBy", "patternProperties", "propertyNames", "minProperties", "maxProperties",
     },
 )
-DEFAULT_MAX_WHITESPACE = 12
 
 
 class XGrammarBackend(GrammarBackend):
@@ -49,12 +54,8 @@ class XGrammarBackend(GrammarBackend):
         any_whitespace: bool = False,
         max_whitespace: int = DEFAULT_MAX_WHITESPACE,
     ) -> None:
-        if not eos_token_ids:
-            raise ValueError("eos_token_ids must not be empty")
-        self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
-        self.any_whitespace = any_whitespace
-        self.max_whitespace = max_whitespace
+        super().__init__(tokenizer, vocab_size, eos_token_ids, any_whitespace=any_whitespace,
+                         max_whitespace=max_whitespace)
         self.tokenizer_info = _tokenizer_info(tokenizer, vocab_size, self.eos_token_ids)
         # our manager caches compiled grammars; xgrammar's own cache would only double memory
         self._compiler = xgr.GrammarCompiler(
