@@ -148,6 +148,10 @@ class _SchedulerCounters:
         "retractions": "running requests sent back to the queue for lack of KV memory",
         "extend_forwards": "prefill (extend) forward passes",
         "decode_forwards": "decode forward passes",
+        "decode_shared_kv_tokens": (
+            "KV rows decode attention read once for requests sharing a cached prefix "
+            "instead of once per request"
+        ),
     }
     GRAMMAR = {
         "cache_hits": "constraint compiles served from the in-memory cache",

@@ -87,6 +87,11 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-forward precomputation shared by every layer (optional)."""
 
+    def shared_kv_tokens(self, meta: AttentionMetadata) -> int:
+        """KV rows per layer this forward read once for a group of requests sharing them
+        instead of once per request (0 for backends that do not share reads)."""
+        return 0
+
     @abstractmethod
     def forward(
         self,

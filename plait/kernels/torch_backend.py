@@ -1,4 +1,5 @@
-"""Torch reference attention over the KV pool: the CPU path and the oracle for other kernels."""
+"""Torch attention over the KV pool: the plain references (the oracle every kernel is tested
+against) and the `torch` backend, which runs the faster paths of plait.kernels.cpu_attention."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.kernels.base import AttentionBackend, AttentionMetadata, ForwardMode
+from plait.kernels.cpu_attention import decode_attention_cpu, extend_attention_cpu, plan_decode
 
 if TYPE_CHECKING:
     from plait.radix_cache.kv_pool import KVPool
@@ -89,13 +91,19 @@ def _decode_gather_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.T
 
 
 class TorchAttnBackend(AttentionBackend):
+    """The CPU backend (and a portable fallback anywhere torch runs)."""
+
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.mode is ForwardMode.DECODE:
-            _decode_gather_index(meta)
+            plan_decode(meta)  # shared-prefix groups, once for every layer
+
+    def shared_kv_tokens(self, meta: AttentionMetadata) -> int:
+        plan = meta.cache.get("cpu_decode_plan")
+        return plan.shared_tokens if plan is not None else 0
 
     def forward(self, q, k, v, layer_id: int, kv_pool: KVPool, meta: AttentionMetadata):
         k_buffer, v_buffer = kv_pool.k_buffer[layer_id], kv_pool.v_buffer[layer_id]
         store_kv_reference(k_buffer, v_buffer, meta.out_cache_loc, k, v)
         if meta.mode is ForwardMode.DECODE:
-            return decode_attention_reference(q, k_buffer, v_buffer, meta, self.scaling)
-        return extend_attention_reference(q, k_buffer, v_buffer, meta, self.scaling)
+            return decode_attention_cpu(q, k_buffer, v_buffer, meta, self.scaling)
+        return extend_attention_cpu(q, k_buffer, v_buffer, meta, self.scaling)

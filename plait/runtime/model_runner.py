@@ -15,6 +15,7 @@ from plait.kernels.base import (
     resolve_backend_name,
 )
 from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
+from plait.runtime.cpu_tuning import pack_logits_weight, tune_allocator
 from plait.runtime.core import Batch
 from plait.runtime.models import ModelConfig, load_model, resolve_dtype
 
@@ -27,6 +28,7 @@ MAX_DEFAULT_POOL_TOKENS = 1 << 19
 class ForwardOutput:
     logits: torch.Tensor  # [num_rows, vocab] float32, rows in `logit_rows` order
     logit_rows: list[int]  # flattened token rows whose logits were computed
+    shared_kv_tokens: int = 0  # KV rows read once for requests sharing them (per layer)
 
 
 class ModelRunner:
@@ -48,7 +50,11 @@ class ModelRunner:
             cfg.head_dim,
             cfg.head_dim**-0.5,
         )
+        if self.device.type == "cpu":
+            tune_allocator()
         self.model = load_model(model_path, cfg, attn, self.dtype, self.device)
+        if self.device.type == "cpu" and not args.disable_cpu_packed_logits:
+            self.model.packed_lm_head = pack_logits_weight(self.model.lm_head_weight)
         self.attn_backend = attn
         pool_tokens = self._pool_size()
         self.kv_pool = KVPool(
@@ -122,7 +128,11 @@ class ModelRunner:
         if logit_rows != list(range(hidden.shape[0])):
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)]
         logits = self.model.compute_logits(hidden)
-        return ForwardOutput(logits.cpu() if logits.device.type != "cpu" else logits, logit_rows)
+        return ForwardOutput(
+            logits.cpu() if logits.device.type != "cpu" else logits,
+            logit_rows,
+            self.attn_backend.shared_kv_tokens(meta),
+        )
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -68,6 +68,8 @@ class Scheduler:
             "extend_forwards": 0, "decode_forwards": 0, "retractions": 0, "forced_tokens": 0,
             "finished_requests": 0, "aborted_requests": 0,
             "request_forwards": 0,  # forwards summed over the requests in them
+            # decode KV rows read once for a group sharing a cached prefix, not once per member
+            "decode_shared_kv_tokens": 0,
         }
         self._handlers = {
             TokenizedGenerateReq: self.handle_generate,
@@ -285,6 +287,7 @@ class Scheduler:
             out = self.runner.forward(batch, rows)
         self.counters["extend_forwards" if batch.mode is ForwardMode.EXTEND else "decode_forwards"] += 1
         self.counters["request_forwards"] += batch.batch_size
+        self.counters["decode_shared_kv_tokens"] += out.shared_kv_tokens
         with self.timer("sample"):
             self._process(batch, out.logits, rows, logprob_rows)
 

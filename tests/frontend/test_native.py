@@ -317,3 +317,17 @@ def test_grammar_metrics(http):
     assert samples["plait_grammar_cache_misses_total"] >= 1
     assert samples["plait_forced_tokens_total"] >= 1  # '{"k": "' is forced by the schema
     assert "plait_grammar_timeouts_total" in samples and "plait_decode_forwards_total" in samples
+
+
+def test_decode_shares_the_prefix_of_parallel_samples(http):
+    # n=2 samples of one 60-word prompt hold the same cached prompt KV: decode reads it once
+    text = " ".join(f"word{i}" for i in range(60))
+    params = {"max_new_tokens": 4, "temperature": 0.8, "n": 2, "ignore_eos": True}
+    r = http.post("/generate", json={"text": text, "sampling_params": params})
+    assert r.status_code == 200, r.text
+    samples = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples["plait_decode_shared_kv_tokens_total"] > 0

@@ -73,6 +73,8 @@ def test_llama_batch_and_cache_hits(tiny_llama, llama_ref):
         assert all(o["meta_info"]["cached_tokens"] >= len(p) - 1 for o, p in zip(second, prompts) if len(p) > 1)
         # in-batch sharing: prompt 5 reuses prompt 3's prefix within the first batch
         assert first[5]["meta_info"]["cached_tokens"] >= 60
+        # ...and decode attention read the shared 40 tokens once for prompts 3, 5 and 6
+        assert engine.get_server_info()["decode_shared_kv_tokens"] > 0
         # a different batch composition: every other prompt, reversed
         sub = list(range(0, 16, 2))[::-1]
         third = run_plait(engine, [prompts[i] for i in sub], MAX_NEW)

@@ -190,7 +190,13 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, self.rotary, kv_pool, meta)
         return self.model.norm(x)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()  # [N, vocab]
+        packed = getattr(self, "packed_lm_head", None)
+        if packed is not None:  # a oneDNN-prepacked copy of the weight (CPU, see cpu_tuning)
+            return packed(hidden)
+        return torch.matmul(hidden, self.lm_head_weight.t()).float()  # [N, vocab]

@@ -1,0 +1,110 @@
+"""The CPU attention paths (plait.kernels.cpu_attention) against the plain torch references.
+
+Pools are poisoned (plait.kernels.testing): a read outside a request's KV gives NaN. Shared
+prefixes are made the way the radix cache makes them: several requests' req->token rows point
+at the same pool slots for their first tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.kernels.base import ForwardMode
+from plait.kernels.cpu_attention import (
+    MIN_SHARED_PREFIX,
+    decode_attention_cpu,
+    extend_attention_cpu,
+    plan_decode,
+)
+from plait.kernels.testing import random_attention_batch
+from plait.kernels.torch_backend import (
+    decode_attention_reference,
+    extend_attention_reference,
+    store_kv_reference,
+)
+
+SCALE = 0.3
+
+
+def _share(batch, owner: int, members: list[int], length: int) -> None:
+    """Point the first `length` KV slots of each member at the owner's (a radix-cache hit)."""
+    rows = batch.meta.req_to_token
+    owner_row = int(batch.meta.req_pool_indices[owner])
+    for m in members:
+        rows[int(batch.meta.req_pool_indices[m]), :length] = rows[owner_row, :length]
+
+
+def _stored(batch):
+    k, v = batch.k_buffer.clone(), batch.v_buffer.clone()
+    store_kv_reference(k, v, batch.meta.out_cache_loc, batch.k_new, batch.v_new)
+    return k, v
+
+
+def _check(fn, ref, batch):
+    k, v = _stored(batch)
+    out = fn(batch.q, k, v, batch.meta, SCALE)
+    expected = ref(batch.q, k, v, batch.meta, SCALE)
+    assert not out.isnan().any(), "NaN: a read outside the request's KV"
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens",
+    [
+        ([0, 15, 16, 17], [1, 15, 16, 17]),
+        ([0, 0, 0], [1, 16, 33]),
+        ([150, 97, 0], [3, 1, 40]),
+    ],
+    ids=["ragged", "no-prefix", "long-prefix"],
+)
+def test_extend_matches_reference(prefix_lens, extend_lens, group):
+    b = random_attention_batch(prefix_lens, extend_lens, 2 * group, 2, 16, seed=group)
+    _check(extend_attention_cpu, extend_attention_reference, b)
+
+
+def test_extend_over_a_shared_prefix_matches_reference():
+    b = random_attention_batch([100, 100, 100], [5, 1, 9], 4, 2, 16, seed=3)
+    _share(b, 0, [1, 2], 80)
+    _check(extend_attention_cpu, extend_attention_reference, b)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_without_sharing_matches_reference(group):
+    lens = [0, 14, 15, 16, 32, 149]
+    b = random_attention_batch(lens, [1] * len(lens), 2 * group, 2, 16,
+                               mode=ForwardMode.DECODE, seed=group)
+    assert plan_decode(b.meta).groups == []
+    _check(decode_attention_cpu, decode_attention_reference, b)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_with_shared_prefixes_matches_reference(group):
+    # two groups (prefixes 40 and 100), one member whose whole cached KV is the prefix, a
+    # request with a short shared prefix (not grouped) and one alone
+    lens = [60, 70, 40, 120, 101, 150, 80, 90]
+    b = random_attention_batch(lens, [1] * len(lens), 2 * group, 2, 16,
+                               mode=ForwardMode.DECODE, seed=10 + group)
+    _share(b, 0, [1, 2], 40)
+    _share(b, 3, [4, 5], 100)
+    _share(b, 6, [7], MIN_SHARED_PREFIX - 1)
+    plan = plan_decode(b.meta)
+    found = sorted((sorted(g.members.tolist()), g.slots.numel()) for g in plan.groups)
+    assert found == [([0, 1, 2], 40), ([3, 4, 5], 100)]
+    _check(decode_attention_cpu, decode_attention_reference, b)
+
+
+def test_decode_finds_the_first_difference_not_the_shortest_member():
+    # members share 50 slots although the shortest has 90 cached: the prefix is 50
+    b = random_attention_batch([90, 200], [1, 1], 4, 2, 8, mode=ForwardMode.DECODE, seed=5)
+    _share(b, 0, [1], 50)
+    (g,) = plan_decode(b.meta).groups
+    assert g.slots.numel() == 50
+    _check(decode_attention_cpu, decode_attention_reference, b)
+
+
+def test_decode_plan_is_built_once_per_forward():
+    b = random_attention_batch([64, 64], [1, 1], 4, 2, 8, mode=ForwardMode.DECODE)
+    _share(b, 0, [1], 64)
+    assert plan_decode(b.meta) is plan_decode(b.meta)

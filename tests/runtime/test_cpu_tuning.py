@@ -1,0 +1,47 @@
+"""CPU speedups of the model runner: the prepacked logits GEMM and the allocator thresholds."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from plait.args import ServerArgs
+from plait.runtime.cpu_tuning import pack_logits_weight, tune_allocator
+from plait.runtime.model_runner import ModelRunner
+
+
+def test_packed_logits_match_matmul_for_every_batch_size():
+    weight = torch.randn(1000, 64, generator=torch.Generator().manual_seed(0))
+    packed = pack_logits_weight(weight)
+    assert packed is not None
+    for rows in (1, 7, 64, 200):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(packed(x), x @ weight.t(), atol=1e-4, rtol=1e-4)
+    # a non-contiguous input (rows gathered from the hidden states) works too
+    x = torch.randn(10, 128)[:, ::2]
+    torch.testing.assert_close(packed(x), x @ weight.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_packing_is_fp32_cpu_only():
+    assert pack_logits_weight(torch.randn(8, 4, dtype=torch.bfloat16)) is None
+
+
+def test_runner_uses_packed_logits_unless_disabled(tiny_llama):
+    on = ModelRunner(ServerArgs(model_path=tiny_llama, max_total_tokens=256), tiny_llama)
+    off = ModelRunner(
+        ServerArgs(model_path=tiny_llama, max_total_tokens=256, disable_cpu_packed_logits=True),
+        tiny_llama,
+    )
+    assert on.model.packed_lm_head is not None
+    assert getattr(off.model, "packed_lm_head", None) is None
+    hidden = torch.randn(5, on.config.hidden_size)
+    torch.testing.assert_close(
+        on.model.compute_logits(hidden), off.model.compute_logits(hidden), atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_allocator_thresholds_are_accepted_by_glibc():
+    assert tune_allocator()
