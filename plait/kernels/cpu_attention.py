@@ -16,7 +16,7 @@ these are the paths the CPU actually runs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,7 @@ class DecodePlan:
     groups: list[PrefixGroup]
     suffix_slots: torch.Tensor  # [B, Ls] int64, each request's KV after its group's prefix
     suffix_valid: torch.Tensor  # [B, Ls] bool
+    masks: dict = field(default_factory=dict)  # additive padding masks by dtype, built once
 
     @property
     def shared_tokens(self) -> int:
@@ -127,27 +128,31 @@ def decode_attention_cpu(
     meta: AttentionMetadata,
     scaling: float,
 ) -> torch.Tensor:
-    """q: [B, H, D] (one token per request) -> [B, H, D]."""
+    """q: [B, H, D] (one token per request) -> [B, H, D].
+
+    A kv head's G query heads are attended as G query rows of that head ([B, Hkv, G, D]), so
+    grouped-query attention needs no repeated K/V; K/V are strided views of one gather."""
     plan = plan_decode(meta)
     bsz, num_heads, head_dim = q.shape
     num_kv = k_buffer.shape[1]
     group = num_heads // num_kv
-    qg = q.view(bsz, num_kv, group, head_dim)
-    out, lse = _padded_attention(
-        qg, k_buffer, v_buffer, plan.suffix_slots, plan.suffix_valid, scaling, bool(plan.groups)
-    )
+    qg = q.reshape(bsz, num_kv, group, head_dim)
+    width = plan.suffix_slots.shape[1]
+    flat = plan.suffix_slots.reshape(-1)
+    k = k_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
+    v = v_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
+    mask = _padding_mask(plan, q.dtype)  # [B, 1, 1, Ls]
+    out, lse = _attend(qg, k.to(q.dtype), v.to(q.dtype), mask, scaling)  # [B, Hkv, G, D]
     for g in plan.groups:
         n = g.members.numel()
-        # [n, Hkv, G, D] -> [Hkv, n*G, D]: every member's query heads against one K/V read
-        qs = qg.index_select(0, g.members).permute(1, 0, 2, 3).reshape(num_kv, n * group, head_dim)
-        k = k_buffer.index_select(0, g.slots).to(q.dtype).permute(1, 2, 0)  # [Hkv, D, P]
-        v = v_buffer.index_select(0, g.slots).to(q.dtype).transpose(0, 1)  # [Hkv, P, D]
-        scores = torch.bmm(qs, k).float() * scaling  # [Hkv, nG, P]
-        p_lse = torch.logsumexp(scores, dim=-1)  # [Hkv, nG]
-        p_out = torch.bmm(torch.exp(scores - p_lse[..., None]).to(q.dtype), v)  # [Hkv, nG, D]
-        p_out = p_out.view(num_kv, n, group, head_dim).permute(1, 0, 2, 3)  # [n, Hkv, G, D]
-        p_lse = p_lse.view(num_kv, n, group).permute(1, 0, 2)  # [n, Hkv, G]
-        s_out, s_lse = out[g.members], lse[g.members]
+        # every member's query heads against one read of the prefix: [1, Hkv, n*G, D]
+        qs = qg.index_select(0, g.members).transpose(0, 1).reshape(1, num_kv, n * group, head_dim)
+        kp = k_buffer.index_select(0, g.slots).to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, P, D]
+        vp = v_buffer.index_select(0, g.slots).to(q.dtype).transpose(0, 1)[None]
+        p_out, p_lse = _attend(qs, kp, vp, None, scaling)
+        p_out = p_out[0].view(num_kv, n, group, head_dim).transpose(0, 1)  # [n, Hkv, G, D]
+        p_lse = p_lse[0].view(num_kv, n, group).transpose(0, 1)  # [n, Hkv, G]
+        s_out, s_lse = out.index_select(0, g.members), lse.index_select(0, g.members)
         new_lse = torch.logaddexp(p_lse, s_lse)
         merged = (
             p_out.float() * torch.exp(p_lse - new_lse)[..., None]
@@ -157,22 +162,29 @@ def decode_attention_cpu(
     return out.reshape(bsz, num_heads, head_dim)
 
 
-def _padded_attention(qg, k_buffer, v_buffer, slots, valid, scaling, want_lse: bool):
-    """Attention of qg [B, Hkv, G, D] over K/V at slots [B, L] (valid: [B, L]).
+def _padding_mask(plan: DecodePlan, dtype: torch.dtype) -> torch.Tensor:
+    key = ("mask", dtype)
+    mask = plan.masks.get(key)
+    if mask is None:
+        valid = plan.suffix_valid[:, None, None, :]
+        mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+        mask.masked_fill_(~valid, float("-inf"))
+        plan.masks[key] = mask
+    return mask
 
-    Returns out [B, Hkv, G, D] and, if asked, the log-sum-exp [B, Hkv, G] (float32)."""
-    bsz, num_kv, group, head_dim = qg.shape
-    width = slots.shape[1]
-    flat = slots.reshape(-1)
-    k = k_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).to(qg.dtype)
-    v = v_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).to(qg.dtype)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scaling  # [B, Hkv, G, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    if want_lse:
-        lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G]
-        probs = torch.exp(scores - lse[..., None])
-    else:
-        lse = None
-        probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs.to(qg.dtype), v.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
-    return out, lse
+
+def _attend(q, k, v, mask, scaling):
+    """q [B, Hkv, Lq, D] over k/v [B, Hkv, L, D] (mask: additive, broadcast to [B, Hkv, Lq, L])
+    -> out [B, Hkv, Lq, D] and the log-sum-exp of the scaled scores [B, Hkv, Lq] (float32)."""
+    if q.device.type == "cpu" and _FLASH_CPU is not None:
+        out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)
+        return out, lse.float()
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(q.dtype), v), lse
+
+
+# torch's fused CPU attention that also returns the log-sum-exp (private, hence the fallback)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

@@ -108,3 +108,14 @@ def test_decode_plan_is_built_once_per_forward():
     b = random_attention_batch([64, 64], [1, 1], 4, 2, 8, mode=ForwardMode.DECODE)
     _share(b, 0, [1], 64)
     assert plan_decode(b.meta) is plan_decode(b.meta)
+
+
+def test_decode_without_the_fused_cpu_kernel_matches_reference(monkeypatch):
+    # the portable path (torch builds without the private fused op, or non-CPU tensors)
+    import plait.kernels.cpu_attention as cpu
+
+    monkeypatch.setattr(cpu, "_FLASH_CPU", None)
+    lens = [60, 70, 40, 15]
+    b = random_attention_batch(lens, [1] * 4, 4, 2, 16, mode=ForwardMode.DECODE, seed=7)
+    _share(b, 0, [1, 2], 40)
+    _check(decode_attention_cpu, decode_attention_reference, b)
