@@ -103,7 +103,7 @@ async def direct_judge(url: str, tokenizer, items: list[dict[str, str]]) -> dict
         return GRADES[means.index(max(means))]
 
     t0 = time.perf_counter()
-    limits = httpx.Limits(max_connections=CONCURRENCY)
+    limits = httpx.Limits(max_connections=CONCURRENCY, keepalive_expiry=4.0)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         grades = await asyncio.gather(*(one(client, item) for item in items))
     seconds = time.perf_counter() - t0

@@ -38,6 +38,10 @@ HEALTH_TIMEOUT_S = 3.0  # /health: how long the scheduler may take to answer a s
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 # on SIGINT/SIGTERM, requests in flight get this long to finish, then fail with 503
 GRACEFUL_SHUTDOWN_S = 5.0
+# idle keep-alive connections stay open this long: well past the clients' own expiry (httpx's
+# default is 5 s, uvicorn's too), so a client never reuses a connection the server is closing
+# at that very moment (an httpx ReadError on a request the server never saw)
+KEEP_ALIVE_S = 75.0
 OPEN_PATHS = ("/health",)  # served without the API key
 
 
@@ -312,6 +316,7 @@ def launch_server(args: ServerArgs) -> None:
             log_level=args.log_level,
             access_log=args.log_level == "debug",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5,  # fail_in_flight comes first
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         _Server(config, app, args.url).run(sockets=[sock])
     finally:

@@ -44,8 +44,8 @@ class Sampler:
             apply_token_bitmask(logits, bitmask)
         greedy = [r.sampling.is_greedy for r in reqs]
         if all(greedy):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), logprobs)
-        next_ids = logits.argmax(dim=-1)
+            return SampleOutput(argmax_rows(logits).tolist(), logprobs)
+        next_ids = argmax_rows(logits)
         rows = [i for i, g in enumerate(greedy) if not g]
         sampled = self._sample_rows(logits[rows], [reqs[i] for i in rows])
         next_ids[rows] = sampled
@@ -87,6 +87,23 @@ class Sampler:
             if r.sampling.seed is not None:
                 out[i] = _seeded_choice(probs[i], r.sampling.seed, len(r.output_ids))
         return out
+
+
+_ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) for [B, V], in two vectorized passes: the max of each 1024-wide chunk
+    (amax is ~10x faster than argmax on the CPU), then argmax inside each row's best chunk.
+    The first chunk holding the row's max, then the first index in it: the same first-maximum
+    tie-breaking as argmax."""
+    bsz, vocab = logits.shape
+    if vocab % _ARGMAX_CHUNK or bsz == 0 or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    chunks = logits.view(bsz, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # [B]
+    inside = chunks[torch.arange(bsz), best].argmax(dim=-1)  # [B]
+    return best * _ARGMAX_CHUNK + inside
 
 
 def _restrict_support(probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:

@@ -331,3 +331,26 @@ def test_decode_shares_the_prefix_of_parallel_samples(http):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     assert samples["plait_decode_shared_kv_tokens_total"] > 0
+
+
+def test_idle_keep_alive_connections_outlive_client_expiry(server):
+    # one HTTP/1.1 connection left idle past httpx's and uvicorn's 5 s default is still open
+    # (the second request would fail with RemoteDisconnected): clients, whose idle expiry is
+    # shorter, never race the server closing it
+    import http.client
+    import time
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        for attempt in range(2):
+            conn.request("GET", "/health")
+            reply = conn.getresponse()
+            assert reply.status == 200 and reply.read() == b'{"status":"ok"}', attempt
+            if attempt == 0:
+                sock = conn.sock
+                time.sleep(6.5)
+        assert conn.sock is sock  # the same connection, not a new one
+    finally:
+        conn.close()

@@ -89,3 +89,18 @@ def test_ids_beyond_the_tokenizer_are_never_sampled():
     logits = torch.zeros(1, V)
     logits[0, V - 1] = 100.0
     assert s(logits, [req(temperature=0.0)], None).next_ids[0] < V - 2
+
+
+def test_argmax_rows_is_argmax_with_its_tie_breaking():
+    from plait.runtime.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4096, generator=g)
+    x[1, 3000] = x[1, 100] = 50.0  # a tie across chunks: the first wins
+    x[2, 10] = x[2, 11] = 50.0  # a tie inside a chunk
+    x[3] = float("-inf")  # a fully masked row
+    x[4, ::7] = 9.0  # many ties
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    odd = torch.randn(3, 1000, generator=g)  # not a multiple of the chunk: plain argmax
+    assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[:, ::2]), x[:, ::2].argmax(dim=-1))  # non-contiguous

@@ -25,6 +25,7 @@ from plait.lang.backends.base import (
     LogprobOptions,
     UnsupportedFeature,
 )
+from plait.lang.backends.runtime_endpoint import KEEPALIVE_EXPIRY_S
 from plait.lang.chat_template import ChatTemplate, PlainChatTemplate
 from plait.sampling import SamplingParams
 
@@ -162,7 +163,10 @@ class OpenAI(Backend):
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
-            client = httpx.AsyncClient(headers=self._headers, timeout=self._timeout)
+            client = httpx.AsyncClient(
+                headers=self._headers, timeout=self._timeout,
+                limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            )
             self._clients[loop] = client
         return client
 

@@ -26,6 +26,9 @@ from plait.lang.chat_template import ChatTemplate
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
+# drop idle connections well before a server closes them (plait serve keeps them 75 s; other
+# servers, e.g. uvicorn's default, 5 s): reusing one the server is closing fails the request
+KEEPALIVE_EXPIRY_S = 4.0
 
 
 class RuntimeEndpoint(NativeBackend):
@@ -45,7 +48,10 @@ class RuntimeEndpoint(NativeBackend):
         self.api_key = api_key
         self.verify = verify
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+        self._limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=64,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.model_info = self._get("/get_model_info")
         if isinstance(tokenizer, str) or tokenizer is None:
