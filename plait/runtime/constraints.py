@@ -143,7 +143,9 @@ class ConstraintTracker:
         tight = last_len is not None and remaining <= last_len + 1 + CLOSE_MARGIN + CLOSE_RECHECK_SLACK
         if last_len is not None and not tight and last_at - remaining < CLOSE_RECHECK_EVERY:
             return []
-        plan = self._plan_closing(m, remaining - 1)
+        # the shortest-first pass only pays when the last plan was short
+        shortest = not last_len or last_len <= CLOSE_SHORTEST_DEPTH
+        plan = self._plan_closing(m, remaining - 1, shortest)
         req.closing_plan = (len(plan) if plan is not None else -1, remaining)
         if plan is None or len(plan) + 1 + CLOSE_MARGIN < remaining:
             return []
@@ -192,12 +194,13 @@ class ConstraintTracker:
             self._letter = enc[0] if len(enc) == 1 else None
         return self._letter
 
-    def _plan_closing(self, m, max_len: int) -> list[int] | None:
+    def _plan_closing(self, m, max_len: int, shortest: bool = True) -> list[int] | None:
         """A short token sequence after which the matcher can terminate (None if none within
         max_len tokens or the node budget): iterative deepening finds the shortest when it is
-        a few tokens deep; else a depth-first search, closers first, finds a longer one."""
-        budget = [CLOSE_SEARCH_NODES // 2]
-        for depth in range(min(max_len, CLOSE_SHORTEST_DEPTH) + 1):
+        a few tokens deep (`shortest`); else a depth-first search, closers first, finds a
+        longer one."""
+        budget = [CLOSE_SEARCH_NODES // 2 if shortest else 0]
+        for depth in range(min(max_len, CLOSE_SHORTEST_DEPTH) + 1 if shortest else 0):
             path: list[int] = []
             if self._search(m, depth, path, budget):
                 return path
