@@ -67,8 +67,9 @@ class ServerArgs:
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
     num_threads: int | None = _opt(None, "torch CPU threads in the scheduler (default: all cores)")
-    disable_cpu_packed_logits: bool = _opt(
-        False, "on CPU, compute logits with torch.matmul instead of a oneDNN-prepacked weight copy"
+    disable_cpu_prepack: bool = _opt(
+        False, "on CPU, run the logits and large projections on torch's plain weights instead of "
+        "oneDNN-prepacked ones (the logits copy costs one extra output embedding of memory)",
     )
     stream_interval: int = _opt(1, "send streamed tokens every N decode steps")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from plait.args import ServerArgs
-from plait.runtime.cpu_tuning import pack_logits_weight, tune_allocator
+from plait.runtime.cpu_tuning import (
+    PackedLinear,
+    pack_layer_linears,
+    pack_linear,
+    pack_logits_weight,
+    tune_allocator,
+)
 from plait.runtime.model_runner import ModelRunner
 
 
@@ -31,11 +37,13 @@ def test_packing_is_fp32_cpu_only():
 def test_runner_uses_packed_logits_unless_disabled(tiny_llama):
     on = ModelRunner(ServerArgs(model_path=tiny_llama, max_total_tokens=256), tiny_llama)
     off = ModelRunner(
-        ServerArgs(model_path=tiny_llama, max_total_tokens=256, disable_cpu_packed_logits=True),
+        ServerArgs(model_path=tiny_llama, max_total_tokens=256, disable_cpu_prepack=True),
         tiny_llama,
     )
     assert on.model.packed_lm_head is not None
     assert getattr(off.model, "packed_lm_head", None) is None
+    # the large projections are prepacked too (tiny-llama: hidden 64, so none qualifies)
+    assert not any(isinstance(m, PackedLinear) for m in off.model.modules())
     hidden = torch.randn(5, on.config.hidden_size)
     torch.testing.assert_close(
         on.model.compute_logits(hidden), off.model.compute_logits(hidden), atol=1e-4, rtol=1e-4
@@ -45,3 +53,26 @@ def test_runner_uses_packed_logits_unless_disabled(tiny_llama):
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_allocator_thresholds_are_accepted_by_glibc():
     assert tune_allocator()
+
+
+def test_packed_linear_with_bias_and_leading_dims():
+    g = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(600, 512, generator=g), torch.randn(600, generator=g)
+    packed = pack_linear(weight, bias)
+    x = torch.randn(2, 5, 512, generator=g)
+    torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, weight, bias),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_pack_layer_linears_replaces_only_large_fp32_projections():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024),  # 524k elements: packed
+        torch.nn.Linear(1024, 64),  # 65k: left alone
+        torch.nn.Linear(512, 1024).to(torch.bfloat16),  # not fp32: left alone
+    )
+    x = torch.randn(3, 512)
+    expected = model[1](model[0](x))
+    assert pack_layer_linears(model) == 1
+    assert isinstance(model[0], PackedLinear) and type(model[1]) is torch.nn.Linear
+    assert type(model[2]) is torch.nn.Linear
+    torch.testing.assert_close(model[1](model[0](x)), expected, atol=1e-4, rtol=1e-4)
