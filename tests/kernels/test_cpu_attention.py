@@ -119,3 +119,19 @@ def test_decode_without_the_fused_cpu_kernel_matches_reference(monkeypatch):
     b = random_attention_batch(lens, [1] * 4, 4, 2, 16, mode=ForwardMode.DECODE, seed=7)
     _share(b, 0, [1, 2], 40)
     _check(decode_attention_cpu, decode_attention_reference, b)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+def test_half_precision_pools_match_the_fp32_reference(dtype, tol):
+    # `--dtype bfloat16` on a CPU: the fused kernels, the additive mask and the merge in bf16
+    d = random_attention_batch([60, 70, 40, 15], [1] * 4, 4, 2, 16, mode=ForwardMode.DECODE,
+                               seed=7, dtype=dtype)
+    _share(d, 0, [1, 2], 40)
+    e = random_attention_batch([0, 30, 5], [7, 3, 20], 4, 2, 16, seed=8, dtype=dtype)
+    for fn, ref, b in ((decode_attention_cpu, decode_attention_reference, d),
+                       (extend_attention_cpu, extend_attention_reference, e)):
+        k, v = _stored(b)
+        out = fn(b.q, k, v, b.meta, SCALE)
+        assert out.dtype == dtype
+        expected = ref(b.q.float(), k.float(), v.float(), b.meta, SCALE)
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
