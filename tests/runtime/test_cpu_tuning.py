@@ -34,7 +34,11 @@ def test_packing_is_fp32_cpu_only():
     assert pack_logits_weight(torch.randn(8, 4, dtype=torch.bfloat16)) is None
 
 
-def test_runner_uses_packed_logits_unless_disabled(tiny_llama):
+def test_runner_uses_packed_logits_unless_disabled(tiny_llama, monkeypatch):
+    from plait.runtime import cpu_tuning
+
+    # tiny-llama's projections (at most 768 x 128) are under the size that pays: lower it
+    monkeypatch.setattr(cpu_tuning, "MIN_PACKED_LINEAR", 10_000)
     on = ModelRunner(ServerArgs(model_path=tiny_llama, max_total_tokens=256), tiny_llama)
     off = ModelRunner(
         ServerArgs(model_path=tiny_llama, max_total_tokens=256, disable_cpu_prepack=True),
@@ -42,7 +46,10 @@ def test_runner_uses_packed_logits_unless_disabled(tiny_llama):
     )
     assert on.model.packed_lm_head is not None
     assert getattr(off.model, "packed_lm_head", None) is None
-    # the large projections are prepacked too (tiny-llama: hidden 64, so none qualifies)
+    # the large projections are prepacked too (lm_head is not: it has its own copy)
+    packed = [n for n, m in on.model.named_modules() if isinstance(m, PackedLinear)]
+    layers = [n for n in packed if n != "packed_lm_head"]
+    assert layers and all(".self_attn." in n or ".mlp." in n for n in layers)
     assert not any(isinstance(m, PackedLinear) for m in off.model.modules())
     hidden = torch.randn(5, on.config.hidden_size)
     torch.testing.assert_close(
