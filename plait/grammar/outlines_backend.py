@@ -17,7 +17,6 @@ import outlines_core
 import torch
 
 from plait.grammar.base import (
-    DEFAULT_MAX_WHITESPACE,
     CompiledGrammar,
     GrammarBackend,
     GrammarError,
@@ -108,20 +107,11 @@ def _object_keys(value) -> list[str]:
 class OutlinesBackend(GrammarBackend):
     name = "outlines"
 
-    def __init__(
-        self,
-        tokenizer,
-        vocab_size: int,
-        eos_token_ids: list[int],
-        *,
-        any_whitespace: bool = False,
-        max_whitespace: int = DEFAULT_MAX_WHITESPACE,
-    ) -> None:
-        super().__init__(tokenizer, vocab_size, eos_token_ids, any_whitespace=any_whitespace,
-                         max_whitespace=max_whitespace)
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], **options) -> None:
+        super().__init__(tokenizer, vocab_size, eos_token_ids, **options)
         # compact: no whitespace at all, so the layout is deterministic and jump-forward can
         # force keys and punctuation (outlines' default "[ ]?" leaves every gap open)
-        self.whitespace = rf"[ \t\n\r]{{0,{max_whitespace}}}" if any_whitespace else ""
+        self.whitespace = rf"[ \t\n\r]{{0,{self.max_whitespace}}}" if self.any_whitespace else ""
         self.token_info = _TokenInfo(token_bytes(tokenizer), vocab_size)
         self.vocabulary = self.token_info.vocabulary(self.eos_token_ids[0])
 

@@ -14,7 +14,6 @@ import torch
 import xgrammar as xgr
 
 from plait.grammar.base import (
-    DEFAULT_MAX_WHITESPACE,
     CompiledGrammar,
     GrammarBackend,
     GrammarError,
@@ -45,17 +44,8 @@ POLICY = SchemaPolicy(
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(
-        self,
-        tokenizer,
-        vocab_size: int,
-        eos_token_ids: list[int],
-        *,
-        any_whitespace: bool = False,
-        max_whitespace: int = DEFAULT_MAX_WHITESPACE,
-    ) -> None:
-        super().__init__(tokenizer, vocab_size, eos_token_ids, any_whitespace=any_whitespace,
-                         max_whitespace=max_whitespace)
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], **options) -> None:
+        super().__init__(tokenizer, vocab_size, eos_token_ids, **options)
         self.tokenizer_info = _tokenizer_info(tokenizer, vocab_size, self.eos_token_ids)
         # our manager caches compiled grammars; xgrammar's own cache would only double memory
         self._compiler = xgr.GrammarCompiler(

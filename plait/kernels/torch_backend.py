@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.kernels.base import AttentionBackend, AttentionMetadata, ForwardMode
-from plait.kernels.cpu_attention import decode_attention_cpu, extend_attention_cpu, plan_decode
+from plait.kernels.cpu_attention import (
+    decode_attention_cpu,
+    extend_attention_cpu,
+    plan_decode,
+    plan_extend,
+)
 
 if TYPE_CHECKING:
     from plait.radix_cache.kv_pool import KVPool
@@ -94,8 +99,11 @@ class TorchAttnBackend(AttentionBackend):
     """The CPU backend (and a portable fallback anywhere torch runs)."""
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        # once for every layer: shared-prefix groups (decode), slots and masks (extend)
         if meta.mode is ForwardMode.DECODE:
-            plan_decode(meta)  # shared-prefix groups, once for every layer
+            plan_decode(meta)
+        else:
+            plan_extend(meta)
 
     def shared_kv_tokens(self, meta: AttentionMetadata) -> int:
         plan = meta.cache.get("cpu_decode_plan")

@@ -91,11 +91,6 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
     return packed
 
 
-def pack_logits_weight(weight: torch.Tensor) -> PackedLinear | None:
-    """The output embedding, prepacked (a copy: tied embeddings still need the plain weight)."""
-    return pack_linear(weight)
-
-
 # the layers' projections gain from prepacking when they are this large (out x in elements);
 # smaller ones (e.g. 256 x 256) ran slower through oneDNN than through torch here
 MIN_PACKED_LINEAR = 300_000

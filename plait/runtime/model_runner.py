@@ -15,8 +15,8 @@ from plait.kernels.base import (
     resolve_backend_name,
 )
 from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
-from plait.runtime.cpu_tuning import pack_layer_linears, pack_logits_weight, tune_allocator
 from plait.runtime.core import Batch
+from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
 from plait.runtime.models import ModelConfig, load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class ModelRunner:
             tune_allocator()
         self.model = load_model(model_path, cfg, attn, self.dtype, self.device)
         if self.device.type == "cpu" and not args.disable_cpu_prepack:
-            self.model.packed_lm_head = pack_logits_weight(self.model.lm_head_weight)
+            # a copy: tied embeddings still need the plain weight for the input lookup
+            self.model.packed_lm_head = pack_linear(self.model.lm_head_weight)
             pack_layer_linears(self.model.model)  # the decoder layers (not lm_head)
         self.attn_backend = attn
         pool_tokens = self._pool_size()

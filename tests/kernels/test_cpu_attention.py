@@ -16,6 +16,7 @@ from plait.kernels.cpu_attention import (
     decode_attention_cpu,
     extend_attention_cpu,
     plan_decode,
+    plan_extend,
 )
 from plait.kernels.testing import random_attention_batch
 from plait.kernels.torch_backend import (
@@ -104,10 +105,15 @@ def test_decode_finds_the_first_difference_not_the_shortest_member():
     _check(decode_attention_cpu, decode_attention_reference, b)
 
 
-def test_decode_plan_is_built_once_per_forward():
+def test_plans_are_built_once_per_forward():
     b = random_attention_batch([64, 64], [1, 1], 4, 2, 8, mode=ForwardMode.DECODE)
     _share(b, 0, [1], 64)
     assert plan_decode(b.meta) is plan_decode(b.meta)
+    e = random_attention_batch([0, 20], [5, 3], 4, 2, 8)
+    plan = plan_extend(e.meta)
+    assert plan is plan_extend(e.meta)
+    assert [(start, ext) for start, ext, _, _ in plan.requests] == [(0, 5), (5, 3)]
+    assert plan.requests[0][3] is None and plan.requests[1][3].shape == (3, 23)
 
 
 def test_decode_without_the_fused_cpu_kernel_matches_reference(monkeypatch):

@@ -12,7 +12,6 @@ from plait.runtime.cpu_tuning import (
     PackedLinear,
     pack_layer_linears,
     pack_linear,
-    pack_logits_weight,
     tune_allocator,
 )
 from plait.runtime.model_runner import ModelRunner
@@ -20,7 +19,7 @@ from plait.runtime.model_runner import ModelRunner
 
 def test_packed_logits_match_matmul_for_every_batch_size():
     weight = torch.randn(1000, 64, generator=torch.Generator().manual_seed(0))
-    packed = pack_logits_weight(weight)
+    packed = pack_linear(weight)
     assert packed is not None
     for rows in (1, 7, 64, 200):
         x = torch.randn(rows, 64)
@@ -31,7 +30,7 @@ def test_packed_logits_match_matmul_for_every_batch_size():
 
 
 def test_packing_is_fp32_cpu_only():
-    assert pack_logits_weight(torch.randn(8, 4, dtype=torch.bfloat16)) is None
+    assert pack_linear(torch.randn(8, 4, dtype=torch.bfloat16)) is None
 
 
 def test_runner_uses_packed_logits_unless_disabled(tiny_llama, monkeypatch):
