@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.models.resolve import DEFAULT_MODEL
+
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashattn")
 GRAMMAR_BACKENDS = ("xgrammar", "outlines")
@@ -34,7 +36,9 @@ def _opt(default: Any, help: str, choices: tuple | None = None, flag: str | None
 class ServerArgs:
     model_path: str | None = _opt(
         None,
-        "Hugging Face model directory or hub name; default: plait's embedded tiny model",
+        "a Hugging Face checkpoint directory, a .gguf file, a named model (smollm2-135m-instruct, "
+        "alias smollm2; fetched once), an embedded test model (plait-tiny, tiny-llama...) or a "
+        f"hub name; default: {DEFAULT_MODEL}",
         flag="--model",
     )
     tokenizer_path: str | None = _opt(None, "tokenizer directory (default: the model's)")
@@ -114,17 +118,15 @@ class ServerArgs:
 
     @property
     def resolved_model_path(self) -> str:
-        if self.model_path is not None:
-            return self.model_path
-        from plait.runtime.default_model import default_model_path
-
-        return str(default_model_path())
+        """The model as named (the default model when none is); plait.models.resolve turns it
+        into a checkpoint directory."""
+        return self.model_path or DEFAULT_MODEL
 
     @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return self.model_path or "plait-tiny"
+        return self.model_path or DEFAULT_MODEL
 
     @property
     def url(self) -> str:
