@@ -221,7 +221,9 @@ def hf_tensor_name(name: str) -> str:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
     if base == "rope_freqs":  # Llama 3.1's rope scaling, stored as a tensor of factors
-        raise ValueError(f"model_path: GGUF tensor {name!r} (rope frequency factors) is not supported")
+        raise ValueError(
+            f"model_path: GGUF tensor {name!r} (rope frequency factors) is not supported"
+        )
     raise ValueError(f"model_path: unexpected GGUF tensor {name!r}")
 
 
@@ -322,7 +324,10 @@ def _config_dtype(tensors: dict[str, np.ndarray]) -> str:
 def _generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
     eos = [metadata.get("tokenizer.ggml.eos_token_id")]
     # llama.cpp also stops on end-of-turn / end-of-message tokens (Llama 3's <|eot_id|>)
-    eos += [metadata.get("tokenizer.ggml.eot_token_id"), metadata.get("tokenizer.ggml.eom_token_id")]
+    eos += [
+        metadata.get("tokenizer.ggml.eot_token_id"),
+        metadata.get("tokenizer.ggml.eom_token_id"),
+    ]
     ids = list(dict.fromkeys(int(t) for t in eos if t is not None))
     config: dict[str, Any] = {"eos_token_id": ids[0] if len(ids) == 1 else ids}
     for name in ("bos", "padding"):

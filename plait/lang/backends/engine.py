@@ -28,7 +28,7 @@ class EngineBackend(NativeBackend):
         chat_template: str | None = None,
         **server_args: Any,
     ) -> None:
-        """`engine`: a plait.Engine, or a model path (None: the embedded default model) for
+        """`engine`: a plait.Engine, or a model path (None: the default model, SmolLM2) for
         an Engine this backend starts with `server_args` and stops in shutdown()."""
         from plait.frontend.engine import Engine
 
