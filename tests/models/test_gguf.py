@@ -213,3 +213,36 @@ def test_greedy_output_matches_transformers(hf_tied, tmp_path, monkeypatch):
                                                 "ignore_eos": True},
         )
     assert [o["output_ids"] for o in outs] == expected
+
+
+# offsets of the float16 scale fields in a block (the rest of a block is bit-packed values, so
+# random bytes there are valid; random float16 scales could be inf/nan)
+K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.mark.parametrize("qtype", sorted(K_QUANT_SCALES))
+def test_k_quants_match_transformers_dequantizer(tmp_path, qtype):
+    """`gguf` cannot write K-quants: random valid blocks are written raw, and the values plait
+    reads back are compared with transformers' own (torch) dequantizer."""
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    from plait.models.gguf import dequantize
+
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[T[qtype]]
+    rows, cols = 6, 2 * block_elems
+    raw = np.random.default_rng(0).integers(0, 256, (rows * cols // block_elems, block_bytes))
+    raw = raw.astype(np.uint8)
+    for offset in K_QUANT_SCALES[qtype]:
+        scales = np.random.default_rng(1).uniform(1e-3, 0.1, len(raw)).astype(np.float16)
+        raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", raw.reshape(rows, -1), raw_dtype=T[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = read_gguf(tmp_path / "k.gguf").tensors
+    mine = dequantize(tensor)
+    expected = hf_dequantize(torch.from_numpy(raw.reshape(-1)), int(T[qtype])).reshape(rows, cols)
+    assert mine.shape == (rows, cols) and np.isfinite(mine).all() and np.abs(mine).max() > 0
+    np.testing.assert_allclose(mine, expected.numpy(), rtol=1e-6, atol=1e-7)
