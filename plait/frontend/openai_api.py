@@ -250,8 +250,9 @@ def normalize(
     """The OpenAI request as a GenerateInput, normalized: prompt i, sample j -> choice
     index i * n + j."""
     key = "text" if "text" in prompts[0] else "input_ids"
+    values = [p[key] for p in prompts]
     inp = GenerateInput(
-        **{key: [p[key] for p in prompts]},
+        **{key: values if len(values) > 1 else values[0]},
         sampling_params=sp,
         stream=req.stream,
         return_logprob=return_logprob,
