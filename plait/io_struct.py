@@ -149,9 +149,7 @@ class GenerateInput:
         per["top_logprobs_num"] = _per_prompt("top_logprobs_num", self.top_logprobs_num, n, batched)
         reqs: list[ReqInput] = []
         for i, (key, prompt) in enumerate(prompts):
-            sp = _sampling(per["sampling_params"][i])
-            if limits.vocab_size is not None:
-                sp.check_vocab(limits.vocab_size)
+            sp = _sampling(per["sampling_params"][i], limits.vocab_size)
             if len(reqs) + sp.n > limits.max_batch_size:
                 raise RequestError(
                     "n" if n == 1 else key,
@@ -291,10 +289,12 @@ def _per_prompt(name: str, value: Any, n: int, batched: bool) -> list[Any]:
     return [value] * n
 
 
-def _sampling(params: Any) -> SamplingParams:
-    """SGLang's sampling_params dict (null means 'default', as in SGLang) or a SamplingParams.
-    Errors name the field as `sampling_params.<name>`."""
+def _sampling(params: Any, vocab_size: int | None) -> SamplingParams:
+    """SGLang's sampling_params dict (null means 'default', as in SGLang) or a SamplingParams
+    (its fields named as is). A dict's errors name the field `sampling_params.<name>`."""
     if isinstance(params, SamplingParams):
+        if vocab_size is not None:
+            params.check_vocab(vocab_size)
         return params
     if params is None:
         params = {}
@@ -310,7 +310,10 @@ def _sampling(params: Any) -> SamplingParams:
         if isinstance(d.get(name), tuple):
             d[name] = list(d[name])
     try:
-        return SamplingParams.from_dict(d)
+        sp = SamplingParams.from_dict(d)
+        if vocab_size is not None:
+            sp.check_vocab(vocab_size)
+        return sp
     except RequestError as e:
         raise e.renamed("sampling_params" + (f".{e.field}" if e.field else "")) from None
     except TypeError as e:  # a field the dataclass refuses by its signature

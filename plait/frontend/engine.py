@@ -93,9 +93,7 @@ class Engine:
         try:
             norm = inp.normalize(self.tokenizer_manager.limits)
         except RequestError as e:
-            if e.field == "text" or (e.field or "").startswith("text."):
-                raise e.renamed("prompt" + e.field[4:]) from None  # the Engine's name
-            raise
+            raise _engine_error(e) from None
         if stream and (norm.batched or len(norm.reqs) != 1):
             raise RequestError("stream", "streaming takes a single prompt with n = 1")
         return norm.reqs, norm.batched
@@ -105,7 +103,7 @@ class Engine:
         states = await asyncio.gather(*(tm.generate_one(i) for i in inputs), return_exceptions=True)
         for s in states:
             if isinstance(s, BaseException):
-                raise s
+                raise _engine_error(s) if isinstance(s, RequestError) else s
         return [format_output(s, i.return_logprob) for s, i in zip(states, inputs)]
 
     def _stream(self, inp: ReqInput) -> Iterator[dict]:
@@ -117,6 +115,8 @@ class Engine:
                     state = self._call(agen.__anext__())
                 except StopAsyncIteration:
                     return
+                except RequestError as e:
+                    raise _engine_error(e) from None
                 chunk = format_output(state, inp.return_logprob)
                 chunk["text"] = state.text[sent_text:]
                 chunk["output_ids"] = state.output_ids[sent_ids:]
@@ -162,3 +162,10 @@ class Engine:
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+
+def _engine_error(e: RequestError) -> RequestError:
+    """The Engine calls a text prompt `prompt` (normalize and the tokenizer say `text`)."""
+    if e.field == "text" or (e.field or "").startswith("text."):
+        return e.renamed("prompt" + e.field[4:])
+    return e

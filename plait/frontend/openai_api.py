@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from plait.errors import RequestError
 from plait.frontend.http_common import (
@@ -52,7 +52,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(_Body):
@@ -60,7 +60,7 @@ class JsonSchemaFormat(_Body):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Body):
@@ -80,7 +80,7 @@ class _Sampling(_Body):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int | None = None  # plait: higher is served sooner (default: the API key's)
@@ -90,10 +90,10 @@ class _Sampling(_Body):
     min_p: float | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
+    ignore_eos: StrictBool | None = None
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
+    skip_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None
     # constraints (plait.grammar)
     regex: str | None = None
     ebnf: str | None = None
@@ -105,7 +105,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -125,7 +125,7 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
