@@ -63,11 +63,21 @@ HOSTILE_BODIES: list[Any] = [
 
 
 async def one_request(c: httpx.AsyncClient, rng: random.Random, stats: dict) -> None:
-    kind = rng.choices(
-        ["generate", "batch", "n", "logprobs", "regex", "stream", "drop", "completion", "chat",
-         "json", "hostile", "oversized"],
-        weights=[6, 2, 2, 2, 2, 4, 2, 3, 3, 1, 6, 1],
-    )[0]
+    kinds = [
+        "generate",
+        "batch",
+        "n",
+        "logprobs",
+        "regex",
+        "stream",
+        "drop",
+        "completion",
+        "chat",
+        "json",
+        "hostile",
+        "oversized",
+    ]
+    kind = rng.choices(kinds, weights=[6, 2, 2, 2, 2, 4, 2, 3, 3, 1, 6, 1])[0]
     stats["sent"][kind] = stats["sent"].get(kind, 0) + 1
     expect_4xx = kind in ("hostile", "oversized")
     if kind == "generate":
@@ -178,16 +188,28 @@ def _role(proc: psutil.Process) -> str:
 
 def kv_stats(url: str, headers: dict) -> dict[str, Any]:
     info = httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()
-    return {k: info.get(k) for k in ("kv_used", "kv_usage", "kv_evictable", "max_total_tokens",
-                                      "num_running", "num_waiting")}
+    return {
+        k: info.get(k)
+        for k in (
+            "kv_used",
+            "kv_usage",
+            "kv_evictable",
+            "max_total_tokens",
+            "num_running",
+            "num_waiting",
+        )
+    }
 
 
 async def sampler(url: str, pid: int, headers: dict, interval: float, samples: list, stop) -> None:
     t0 = time.monotonic()
     while not stop.is_set():
         samples.append(
-            {"t": round(time.monotonic() - t0, 1), "rss": rss_by_process(pid),
-             **await asyncio.to_thread(kv_stats, url, headers)}
+            {
+                "t": round(time.monotonic() - t0, 1),
+                "rss": rss_by_process(pid),
+                **await asyncio.to_thread(kv_stats, url, headers),
+            }
         )
         try:
             await asyncio.wait_for(stop.wait(), interval)
@@ -262,9 +284,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline": base,
         "end": end,
         "rss_growth": {k: round(v, 4) for k, v in growth.items()},
-        "rss_peak": {
-            name: max(s["rss"].get(name, 0) for s in samples) for name in base["rss"]
-        } if samples else {},
+        "rss_peak": {name: max(s["rss"].get(name, 0) for s in samples) for name in base["rss"]}
+        if samples
+        else {},
         "kv_used_peak": max((s["kv_used"] for s in samples), default=0),
         "samples": samples,
         "rss_flat": rss_flat,
@@ -325,4 +347,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -69,6 +69,9 @@ class InputLimits:
     max_priority: int = MAX_PRIORITY
 
 
+DEFAULT_LIMITS = InputLimits()
+
+
 @dataclass
 class ReqInput:
     """One prompt x one sample, validated: what the TokenizerManager runs."""
@@ -137,7 +140,8 @@ class GenerateInput:
         return cls(**{k: v for k, v in body.items() if k in cls.FIELDS})
 
     # ------------------------------------------------------------------ normalize
-    def normalize(self, limits: InputLimits = InputLimits()) -> NormalizedInput:
+    def normalize(self, limits: InputLimits | None = None) -> NormalizedInput:
+        limits = limits or DEFAULT_LIMITS
         prompts, batched = _prompts(self.text, self.input_ids, limits)
         n = len(prompts)
         stream = _flag("stream", self.stream)
@@ -153,8 +157,7 @@ class GenerateInput:
             if len(reqs) + sp.n > limits.max_batch_size:
                 raise RequestError(
                     "n" if n == 1 else key,
-                    f"a request may produce at most {limits.max_batch_size} outputs "
-                    f"(prompts x n)",
+                    f"a request may produce at most {limits.max_batch_size} outputs (prompts x n)",
                 )
             rid = _rid(per["rid"][i])
             return_logprob = _flag("return_logprob", per["return_logprob"][i])
@@ -216,9 +219,7 @@ def _prompts(text: Any, input_ids: Any, limits: InputLimits) -> tuple[list[tuple
     if batched:
         for i, ids in enumerate(input_ids):
             if not isinstance(ids, list):
-                raise RequestError(
-                    f"input_ids.{i}", "a batch must be a list of lists of token ids"
-                )
+                raise RequestError(f"input_ids.{i}", "a batch must be a list of lists of token ids")
             _check_ids(f"input_ids.{i}", ids, limits.vocab_size)
         return [("input_ids", list(ids)) for ids in input_ids], True
     _check_ids("input_ids", input_ids, limits.vocab_size)

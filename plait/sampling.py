@@ -178,7 +178,8 @@ class SamplingParams:
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
         """Build from a SGLang-style dict; an unknown key is a RequestError naming it."""
         if d is not None and not isinstance(d, dict):
-            raise RequestError(None, f"sampling parameters must be an object, got {type(d).__name__}")
+            kind = type(d).__name__
+            raise RequestError(None, f"sampling parameters must be an object, got {kind}")
         d = dict(d or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known, key=str)
@@ -208,7 +209,9 @@ def schema_to_json(schema: Any) -> str:
     elif isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
     if not isinstance(schema, (dict, bool)):
-        raise RequestError("json_schema", "must be a JSON object, a JSON string or a Pydantic model")
+        raise RequestError(
+            "json_schema", "must be a JSON object, a JSON string or a Pydantic model"
+        )
     try:
         return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:

@@ -45,9 +45,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise RequestError(
-                "body", f"larger than {limit} bytes (--max-request-bytes)", 413
-            )
+            raise RequestError("body", f"larger than {limit} bytes (--max-request-bytes)", 413)
         chunks.append(chunk)
     body = b"".join(chunks)
     try:
@@ -169,7 +167,9 @@ def load_keys(api_key: str | None, api_key_file: str | None) -> dict[bytes, KeyP
                 raise ValueError(f"{api_key_file}: bad entry (unknown settings {sorted(unknown)})")
             for name in ("rpm", "tpm"):
                 v = conf.get(name)
-                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                if v is not None and (
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+                ):
                     raise ValueError(f"{api_key_file}: {name} must be a positive number")
             prio = conf.get("priority")
             if prio is not None and (isinstance(prio, bool) or not isinstance(prio, int)):

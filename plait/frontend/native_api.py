@@ -34,6 +34,7 @@ from plait.frontend.http_common import (
     until_disconnect,
 )
 from plait.io_struct import (
+    DEFAULT_LIMITS,
     GenerateInput,
     InputLimits,
     NormalizedInput,
@@ -45,7 +46,7 @@ from plait.io_struct import (
 router = APIRouter()
 
 
-def parse_generate(body: Any, limits: InputLimits = InputLimits()) -> NormalizedInput:
+def parse_generate(body: Any, limits: InputLimits = DEFAULT_LIMITS) -> NormalizedInput:
     """A /generate body -> the normalized requests (one per output: prompts x n)."""
     return GenerateInput.from_dict(body).normalize(limits)
 

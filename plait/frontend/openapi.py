@@ -29,9 +29,7 @@ def _sampling_model() -> type[BaseModel]:
         elif f.name == "stop":
             kind = str | list[str] | None
         fields[f.name] = (kind | None, None)
-    return create_model(
-        "SamplingParamsBody", __config__=ConfigDict(extra="forbid"), **fields
-    )
+    return create_model("SamplingParamsBody", __config__=ConfigDict(extra="forbid"), **fields)
 
 
 SamplingParamsBody = _sampling_model()

@@ -23,6 +23,8 @@ import zmq
 import zmq.asyncio
 
 from plait.args import ServerArgs
+from plait.errors import RequestError
+from plait.io_struct import InputLimits, ReqInput, ReqState
 from plait.messages import (
     AbortReq,
     AsyncMessageReceiver,
@@ -35,8 +37,6 @@ from plait.messages import (
     StatsOut,
     TokenizedGenerateReq,
 )
-from plait.errors import RequestError
-from plait.io_struct import InputLimits, ReqInput, ReqState
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,8 @@ class TokenizerManager:
         if req.return_logprob:
             if req.logprob_start_len > len(ids):
                 raise RequestError(
-                    "logprob_start_len", f"{req.logprob_start_len} is beyond the prompt ({len(ids)})"
+                    "logprob_start_len",
+                    f"{req.logprob_start_len} is beyond the prompt ({len(ids)} tokens)",
                 )
             rows = sp.max_new_tokens + (
                 len(ids) - req.logprob_start_len if req.logprob_start_len >= 0 else 0

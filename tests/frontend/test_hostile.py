@@ -48,9 +48,7 @@ def hostile(tiny_llama, tmp_path_factory):
 
 
 def client(rt, key: str = FAST_KEY) -> httpx.Client:
-    return httpx.Client(
-        base_url=rt.url, timeout=30.0, headers={"Authorization": f"Bearer {key}"}
-    )
+    return httpx.Client(base_url=rt.url, timeout=30.0, headers={"Authorization": f"Bearer {key}"})
 
 
 @pytest.fixture
@@ -84,7 +82,11 @@ HOSTILE = [
     ("/generate", gen(min_p=-1), "min_p"),
     ("/generate", gen(frequency_penalty=3), "frequency_penalty"),
     ("/v1/chat/completions", chat(temperature=1e39), "temperature"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "presence_penalty": 1e308}, "presence_penalty"),
+    (
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": "x", "presence_penalty": 1e308},
+        "presence_penalty",
+    ),
     # integers out of range, incl. >= 2**64 (once a 500 that leaked its queue slot)
     ("/generate", gen(seed=HUGE), "seed"),
     ("/generate", gen(top_k=HUGE), "top_k"),
@@ -98,7 +100,11 @@ HOSTILE = [
     ("/v1/chat/completions", chat(seed=HUGE), "seed"),
     ("/v1/chat/completions", chat(n=500), "n"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": HUGE}, "max_tokens"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "stop_token_ids": [HUGE]}, "stop_token_ids"),
+    (
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": "x", "stop_token_ids": [HUGE]},
+        "stop_token_ids",
+    ),
     # malformed shapes
     ("/generate", {"input_ids": [[1, 2], 3]}, "input_ids"),
     ("/generate", {"input_ids": [[1, 2], []]}, "input_ids"),
@@ -120,18 +126,31 @@ HOSTILE = [
     # response volume: top logprobs x rows, stop lists
     (
         "/generate",
-        {"input_ids": [5] * 3000, "return_logprob": True, "logprob_start_len": 0,
-         "top_logprobs_num": 1000, "sampling_params": {"max_new_tokens": 1}},
+        {
+            "input_ids": [5] * 3000,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 1000,
+            "sampling_params": {"max_new_tokens": 1},
+        },
         "top_logprobs_num",
     ),
-    ("/generate", {"text": "x", "top_logprobs_num": 10**6, "return_logprob": True}, "top_logprobs_num"),
+    (
+        "/generate",
+        {"text": "x", "top_logprobs_num": 10**6, "return_logprob": True},
+        "top_logprobs_num",
+    ),
     ("/generate", gen(stop=["a"] * 1000), "stop"),
     ("/generate", gen(stop=["a" * 5000]), "stop"),
     ("/generate", gen(stop=[""]), "stop"),
     # prompt bounds: over the context in tokens, and in characters before tokenizing
     ("/generate", {"input_ids": [5] * 5000}, "input_ids"),
     ("/generate", {"text": "z" * 200_000}, "text"),
-    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "z" * 200_000}]), "messages"),
+    (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": "z" * 200_000}]),
+        "messages",
+    ),
     # constraints that cannot be served
     ("/generate", gen(regex="(", json_schema="{}"), "json_schema"),
     ("/generate", gen(json_schema="{not json"), "json_schema"),
@@ -143,7 +162,9 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize("path, body, field", HOSTILE, ids=[f"{p}-{f}-{i}" for i, (p, _, f) in enumerate(HOSTILE)])
+@pytest.mark.parametrize(
+    "path, body, field", HOSTILE, ids=[f"{p}-{f}-{i}" for i, (p, _, f) in enumerate(HOSTILE)]
+)
 def test_hostile_request_is_a_4xx_naming_the_field(http, path, body, field):
     start = time.monotonic()
     resp = http.post(path, json=body)
@@ -252,7 +273,12 @@ def test_admission_burst_gets_429s_and_frees_its_slots(http, hostile):
 
 
 def test_bad_requests_leak_no_slot(http):
-    for body in (gen(seed=HUGE), gen(top_k=HUGE), gen(stop_token_ids=[HUGE]), {"input_ids": [HUGE]}):
+    for body in (
+        gen(seed=HUGE),
+        gen(top_k=HUGE),
+        gen(stop_token_ids=[HUGE]),
+        {"input_ids": [HUGE]},
+    ):
         assert http.post("/generate", json=body).status_code == 400
     # 8 slots: 8 concurrent requests all get in
     with httpx.Client(base_url=http.base_url, headers=http.headers, timeout=60) as c:
@@ -273,7 +299,12 @@ def test_rate_limits_answer_429_with_retry_after(hostile):
         assert 1 <= int(resp.headers["Retry-After"]) <= 60
     with client(hostile, TPM_KEY) as c:
         # 30 tokens a minute: one request of ~40 tokens spends them, the next is refused
-        assert c.post("/generate", json={"text": "x " * 40, "sampling_params": {"max_new_tokens": 8}}).status_code == 200
+        assert (
+            c.post(
+                "/generate", json={"text": "x " * 40, "sampling_params": {"max_new_tokens": 8}}
+            ).status_code
+            == 200
+        )
         resp = c.post("/generate", json=gen())
         assert_error(resp, 429, "tokens per minute")
         assert int(resp.headers["Retry-After"]) >= 1

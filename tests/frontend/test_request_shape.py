@@ -29,12 +29,21 @@ def error(**fields) -> RequestError:
 @pytest.mark.parametrize(
     "fields, field",
     [
-        ({"text": "x", "sampling_params": {"temperature": float("inf")}}, "sampling_params.temperature"),
+        (
+            {"text": "x", "sampling_params": {"temperature": float("inf")}},
+            "sampling_params.temperature",
+        ),
         ({"text": "x", "sampling_params": {"temperature": 1e39}}, "sampling_params.temperature"),
-        ({"text": "x", "sampling_params": {"repetition_penalty": 1e-300}}, "sampling_params.repetition_penalty"),
+        (
+            {"text": "x", "sampling_params": {"repetition_penalty": 1e-300}},
+            "sampling_params.repetition_penalty",
+        ),
         ({"text": "x", "sampling_params": {"top_k": 2**64}}, "sampling_params.top_k"),
         ({"text": "x", "sampling_params": {"seed": 2**64}}, "sampling_params.seed"),
-        ({"text": "x", "sampling_params": {"stop_token_ids": [100]}}, "sampling_params.stop_token_ids"),
+        (
+            {"text": "x", "sampling_params": {"stop_token_ids": [100]}},
+            "sampling_params.stop_token_ids",
+        ),
         ({"text": "x", "sampling_params": {"ignore_eos": "false"}}, "sampling_params.ignore_eos"),
         ({"input_ids": [[1, 2], 3]}, "input_ids.1"),
         ({"input_ids": [1, 100]}, "input_ids"),

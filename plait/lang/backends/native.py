@@ -29,10 +29,10 @@ from abc import abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from plait.io_struct import GenerateInput
 from plait.lang.backends.base import Backend, GenResult, LogprobOptions
 from plait.lang.chat_template import ChatTemplate
 from plait.lang.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
-from plait.io_struct import GenerateInput
 from plait.sampling import SamplingParams
 
 if TYPE_CHECKING:
