@@ -50,10 +50,14 @@ setup_llamacpp() {
         echo "setup_peers: compiling $LLAMA_PIN (cmake, nice 19, -j2; many minutes)" >&2
         local t0=$(date +%s)
         "${pip[@]}" install -q --upgrade pip wheel scikit-build-core cmake ninja
+        # the sdist is kept too: benchmarks/peers.py --convert uses its convert_hf_to_gguf.py
+        "${pip[@]}" download -q --no-deps --no-binary llama-cpp-python --no-build-isolation \
+            -d "$WHEELS" "$LLAMA_PIN" || "${pip[@]}" download -q --no-deps --no-binary \
+            llama-cpp-python -d "$WHEELS" "$LLAMA_PIN"
         CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF}" \
         CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" MAKEFLAGS="${MAKEFLAGS:--j2}" \
             nice -n 19 "${pip[@]}" wheel --no-deps --no-binary llama-cpp-python \
-            -w "$WHEELS" "$LLAMA_PIN"
+            -w "$WHEELS" "$WHEELS/llama_cpp_python-${LLAMA_PIN#*==}.tar.gz"
         wheel=$(ls "$WHEELS"/llama_cpp_python-"${LLAMA_PIN#*==}"-*.whl | head -1)
         echo "setup_peers: built $wheel in $(( $(date +%s) - t0 )) s" >&2
     fi
