@@ -25,8 +25,18 @@ class Person(BaseModel):
     city: str = Field(max_length=24)
 
 
-NAMES = ["Alice Martin", "Kenji Sato", "Maria Lopez", "Tom Berg", "Priya Nair", "Ada Okafor",
-         "Lukas Weber", "Emma Brown", "Omar Haddad", "Sofia Rossi"]
+NAMES = [
+    "Alice Martin",
+    "Kenji Sato",
+    "Maria Lopez",
+    "Tom Berg",
+    "Priya Nair",
+    "Ada Okafor",
+    "Lukas Weber",
+    "Emma Brown",
+    "Omar Haddad",
+    "Sofia Rossi",
+]
 CITIES = ["Paris", "Osaka", "Madrid", "Oslo", "Pune", "Lagos", "Vienna", "Boston", "Cairo", "Rome"]
 TEMPLATES = [
     "{name} is {age} years old and lives in {city}.",

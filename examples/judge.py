@@ -71,9 +71,7 @@ def make_items(n: int, seed: int = 0) -> list[dict[str, str]]:
             x, y = rng.randint(1, 9), rng.randint(1, 9)
             question = f"What is {x} + {y}?"
             answer = str(x + y if right else x + y + rng.choice([-2, -1, 1, 2]))
-        items.append(
-            {"question": question, "answer": answer, "label": VERDICTS[0 if right else 1]}
-        )
+        items.append({"question": question, "answer": answer, "label": VERDICTS[0 if right else 1]})
     return items
 
 

@@ -17,8 +17,14 @@ import random
 
 import plait as pl
 
-FACTS = {"paris": 2_102_650, "tokyo": 13_960_000, "lagos": 15_388_000, "oslo": 709_037,
-         "cairo": 9_539_673, "lima": 10_004_000}
+FACTS = {
+    "paris": 2_102_650,
+    "tokyo": 13_960_000,
+    "lagos": 15_388_000,
+    "oslo": 709_037,
+    "cairo": 9_539_673,
+    "lima": 10_004_000,
+}
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 CALC_RE = r"[0-9]{1,8} [-+*] [0-9]{1,8}"
 LOOKUP_RE = "(" + "|".join(FACTS) + ")"

@@ -51,7 +51,9 @@ def test_json_extraction_checker():
     )
     wrong = person.model_copy(update={"age": person.age + 1})
     assert ex.field_matches(wrong.model_dump_json(), person) == {
-        "name": True, "age": False, "city": True
+        "name": True,
+        "age": False,
+        "city": True,
     }
     assert ex.field_matches('{"name": "x"', person) is None  # does not parse
     assert ex.field_matches('{"name": "x", "age": 500, "city": "y"}', person) is None
