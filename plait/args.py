@@ -12,14 +12,23 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEDULE_POLICIES = ("lpm", "fcfs")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashattn")
-GRAMMAR_BACKENDS = ("xgrammar", "outlines")
+from plait import registry
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+GRAMMAR_ISOLATIONS = ("thread", "process")
 
 
-def _opt(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
+def _choices(registry_: registry.Registry, *extra: str):
+    """Choices read from a registry when asked (parts registered later are included)."""
+    return lambda: (*extra, *registry_.names())
+
+
+def _choice_names(choices: Any) -> tuple[str, ...]:
+    return tuple(choices()) if callable(choices) else tuple(choices)
+
+
+def _opt(default: Any, help: str, choices: Any = None, flag: str | None = None):
     meta = {"help": help}
     if choices:
         meta["choices"] = choices
@@ -55,14 +64,22 @@ class ServerArgs:
     )
     chunked_prefill_size: int = _opt(2048, "maximum tokens prefilled in one step (chunked prefill)")
     disable_radix_cache: bool = _opt(False, "turn off prefix reuse (same interface, no sharing)")
-    schedule_policy: str = _opt("lpm", "lpm: longest prefix match first; fcfs", SCHEDULE_POLICIES)
-    attention_backend: str = _opt("auto", "attention kernels (auto: triton on CUDA, torch on CPU)", ATTENTION_BACKENDS)
-    grammar_backend: str = _opt("xgrammar", "constrained-decoding backend", GRAMMAR_BACKENDS)
+    schedule_policy: str = _opt(
+        "lpm", "lpm: longest prefix match first; fcfs (both by priority first)",
+        _choices(registry.SCHEDULE_POLICIES),
+    )
+    attention_backend: str = _opt(
+        "auto", "attention kernels (auto: triton on CUDA, torch on CPU)",
+        _choices(registry.ATTENTION_BACKENDS, "auto"),
+    )
+    grammar_backend: str = _opt(
+        "xgrammar", "constrained-decoding backend", _choices(registry.GRAMMAR_BACKENDS)
+    )
     grammar_compile_timeout: float = _opt(5.0, "seconds before a constraint compile fails the request")
     grammar_cache_dir: str | None = _opt(None, "persist compiled grammars here (survives restarts)")
     grammar_isolation: str = _opt(
         "thread", "run compiles on threads, or in child processes killed at the timeout",
-        ("thread", "process"),
+        GRAMMAR_ISOLATIONS,
     )
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
@@ -76,17 +93,14 @@ class ServerArgs:
     ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: private tmp)")
 
     def __post_init__(self) -> None:
-        checks = {
-            "schedule_policy": SCHEDULE_POLICIES,
-            "attention_backend": ATTENTION_BACKENDS,
-            "grammar_backend": GRAMMAR_BACKENDS,
-            "grammar_isolation": ("thread", "process"),
-            "dtype": DTYPES,
-            "log_level": LOG_LEVELS,
-        }
-        for name, allowed in checks.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            if "choices" not in f.metadata:
+                continue
+            allowed = _choice_names(f.metadata["choices"])
+            if getattr(self, f.name) not in allowed:
+                raise ValueError(
+                    f"{f.name}: must be one of {', '.join(allowed)}, got {getattr(self, f.name)!r}"
+                )
         for name in ("max_running_requests", "max_queued_requests", "chunked_prefill_size", "stream_interval"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
@@ -143,7 +157,7 @@ class ServerArgs:
                 kwargs["type"] = _cli_type(f.type)
                 kwargs["default"] = f.default
                 if "choices" in f.metadata:
-                    kwargs["choices"] = f.metadata["choices"]
+                    kwargs["choices"] = _choice_names(f.metadata["choices"])
                 if "default:" not in kwargs["help"]:
                     kwargs["help"] += f" (default: {f.default})"
             names = [flag]

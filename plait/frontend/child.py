@@ -8,7 +8,6 @@ document to the inherited pipe FD.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -61,10 +60,6 @@ def main() -> None:
         run_detokenizer_process(config["tokenizer_path"], config["input"], config["output"], ready)
     else:
         raise SystemExit(f"unknown role {role!r}")
-
-
-def args_to_json(args: ServerArgs) -> dict:
-    return dataclasses.asdict(args)
 
 
 if __name__ == "__main__":

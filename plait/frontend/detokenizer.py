@@ -46,7 +46,7 @@ class Detokenizer:
             output_token_logprobs=msg.output_token_logprobs,
             output_top_logprobs=msg.output_top_logprobs,
             input_token_logprobs=msg.input_token_logprobs,
-            input_top_logprobs=msg.input_top_logprobs, spec_info=msg.spec_info,
+            input_top_logprobs=msg.input_top_logprobs, extra_meta=msg.extra_meta,
         )
 
     def _step(self, rid: str, msg: BatchTokenOut, i: int) -> str:

@@ -26,8 +26,7 @@ MAX_DEFAULT_POOL_TOKENS = 1 << 19
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [num_rows, vocab] float32, rows in `logit_rows` order
-    logit_rows: list[int]  # flattened token rows whose logits were computed
+    logits: torch.Tensor  # [num_rows, vocab] float32, in the order of forward()'s logit_rows
     shared_kv_tokens: int = 0  # KV rows read once for requests sharing them (per layer)
 
 
@@ -132,7 +131,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return ForwardOutput(
             logits.cpu() if logits.device.type != "cpu" else logits,
-            logit_rows,
             self.attn_backend.shared_kv_tokens(meta),
         )
 

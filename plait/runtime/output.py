@@ -49,6 +49,11 @@ class OutputCollector:
     def add(self, req: Req) -> None:
         self._reqs[req.rid] = req
 
+    def discard(self, req: Req) -> None:
+        """Req failed: its client gets an error instead of this output."""
+        if self._reqs.get(req.rid) is req:
+            del self._reqs[req.rid]
+
     def flush(self) -> list[BatchTokenOut]:
         ready = [r for r in self._reqs.values() if self._due(r)]
         self._reqs = {rid: r for rid, r in self._reqs.items() if not self._due(r)}
@@ -58,7 +63,7 @@ class OutputCollector:
             rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[],
             completion_tokens=[], cached_tokens=[], skip_special_tokens=[], no_stop_trim=[],
             output_token_logprobs=[], output_top_logprobs=[], input_token_logprobs=[],
-            input_top_logprobs=[], spec_info=[], stop_strs=[],
+            input_top_logprobs=[], extra_meta=[], stop_strs=[],
         )
         for req in ready:
             _append(out, req)
@@ -89,4 +94,4 @@ def _append(out: BatchTokenOut, req: Req) -> None:
     out.input_top_logprobs.append(req.input_top_logprobs or None)
     if req.input_token_logprobs:  # sent once
         req.input_token_logprobs, req.input_top_logprobs = [], []
-    out.spec_info.append({"forced_tokens": req.num_forced_tokens, "queue_time": req.queue_time})
+    out.extra_meta.append({"forced_tokens": req.num_forced_tokens, "queue_time": req.queue_time})
