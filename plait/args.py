@@ -17,6 +17,8 @@ from plait import registry
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GRAMMAR_ISOLATIONS = ("thread", "process")
+# `plait serve` reads the API key from here when --api-key is not given (plait.Runtime uses it)
+API_KEY_ENV = "PLAIT_API_KEY"
 
 
 def _choices(registry_: registry.Registry, *extra: str):
@@ -50,7 +52,10 @@ class ServerArgs:
     served_model_name: str | None = _opt(None, "model name reported by the API (default: path)")
     host: str = _opt("127.0.0.1", "HTTP host to bind")
     port: int = _opt(30000, "HTTP port to bind")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
+    api_key: str | None = _opt(
+        None, "require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+        f"{API_KEY_ENV} environment variable, which keeps the key out of `ps`)",
+    )
     dtype: str = _opt("auto", "weight/activation dtype (auto: float32 on CPU, bfloat16 on CUDA)", DTYPES)
     device: str = _opt("auto", "cpu, cuda, or auto")
     context_length: int | None = _opt(None, "maximum context length (default: from the model config)")
@@ -168,7 +173,10 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        values = {k: v for k, v in vars(ns).items() if k in names}
+        if values.get("api_key") is None and os.environ.get(API_KEY_ENV):
+            values["api_key"] = os.environ[API_KEY_ENV]
+        return cls(**values)
 
 
 def _cli_type(annotation: str) -> Any:

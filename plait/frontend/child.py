@@ -1,8 +1,9 @@
-"""Entry point of plait's child processes: `python -m plait.frontend.child ROLE CONFIG_JSON FD`.
+"""Entry point of plait's child processes: `python -m plait.frontend.child ROLE FD`.
 
 Children are started with subprocess rather than multiprocessing so that a user's script is
 never re-imported (no `if __name__ == "__main__"` requirement) and nothing is forked from a
-process whose threads are running. Readiness (or the start-up error) is written as one JSON
+process whose threads are running. The configuration (JSON) arrives on stdin, not in argv,
+which any user can read (/proc/PID/cmdline). Readiness (or the start-up error) is written as one JSON
 document to the inherited pipe FD.
 """
 
@@ -46,7 +47,9 @@ class ReadyPipe:
 
 
 def main() -> None:
-    role, config, fd = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    role, fd = sys.argv[1], int(sys.argv[2])
+    config = json.loads(sys.stdin.buffer.read())
+    sys.stdin.close()
     ready = ReadyPipe(fd)
     _exit_with_parent(os.getppid())
     if role == "scheduler":

@@ -1,4 +1,11 @@
-"""Start and stop the runtime's child processes (scheduler, detokenizer)."""
+"""Start, watch and stop the runtime's child processes (scheduler, detokenizer).
+
+A child that dies is not restarted: its requests' state (KV cache, running requests) is gone
+with it, and a clean restart of the whole server is both simpler and safer. `plait serve`
+exits non-zero within CHILD_DEATH_EXIT_S of the death (so that a supervisor restarts it);
+`plait.Engine` fails the requests in flight and every later call with the reason.
+Children get their configuration on stdin, never in argv (`ps` shows argv to every user).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +30,11 @@ from plait.runtime.models import resolve_model_path
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
+# how often the supervisor thread polls the children
+CHILD_POLL_S = 0.2
+# after a child died, the server is stopped gracefully; past this many seconds it is killed
+CHILD_DEATH_EXIT_S = 4.0
+CHILD_DIED_EXIT_CODE = 1
 
 
 @dataclass
@@ -43,8 +57,42 @@ class RuntimeProcesses:
     procs: dict[str, Any] = field(default_factory=dict)
     model_info: dict[str, Any] = field(default_factory=dict)
     owns_ipc_dir: bool = True
+    failure: str | None = None  # why a child died, once one did
+    _stopping: bool = False
+
+    def supervise(self, on_death: Callable[[str], None], hard_exit_s: float | None = None) -> None:
+        """Watch the children from a daemon thread: the first one that exits (outside
+        shutdown) sets `failure` and calls on_death(reason) once. With hard_exit_s, the
+        process exits with CHILD_DIED_EXIT_CODE if it is still running that long after."""
+
+        def watch() -> None:
+            while not self._stopping:
+                dead = [(n, p) for n, p in self.procs.items() if not p.is_alive()]
+                if dead and not self._stopping:
+                    name, proc = dead[0]
+                    self.failure = f"the {name} process died (exit code {proc.exitcode})"
+                    logger.error("%s; stopping the server", self.failure)
+                    on_death(self.failure)
+                    if hard_exit_s is not None:
+                        time.sleep(hard_exit_s)
+                        logger.error("server did not stop in %.0f s after %s; exiting",
+                                     hard_exit_s, self.failure)
+                        self.shutdown()
+                        os._exit(CHILD_DIED_EXIT_CODE)
+                    return
+                time.sleep(CHILD_POLL_S)
+
+        threading.Thread(target=watch, name="child-supervisor", daemon=True).start()
+
+    def raise_if_failed(self) -> None:
+        """RuntimeError (a non-zero exit of `plait serve`) if a child died."""
+        if self.failure is not None:
+            raise RuntimeError(
+                f"{self.failure}; exiting with an error so that a supervisor restarts the server"
+            )
 
     def shutdown(self) -> None:
+        self._stopping = True
         for proc in self.procs.values():
             if proc.is_alive():
                 proc.terminate()
@@ -63,10 +111,18 @@ class ChildProcess:
     def __init__(self, name: str, role: str, config: dict[str, Any]) -> None:
         self.name = name
         read_fd, write_fd = os.pipe()
-        cmd = [sys.executable, "-m", "plait.frontend.child", role, json.dumps(config), str(write_fd)]
-        self.popen = subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=False)
+        cmd = [sys.executable, "-m", "plait.frontend.child", role, str(write_fd)]
+        self.popen = subprocess.Popen(
+            cmd, pass_fds=(write_fd,), start_new_session=False, stdin=subprocess.PIPE
+        )
         os.close(write_fd)
         self.ready_fd = read_fd
+        # the configuration goes through stdin: argv is world-readable (/proc/PID/cmdline)
+        try:
+            self.popen.stdin.write(json.dumps(config).encode())
+            self.popen.stdin.close()
+        except BrokenPipeError:  # the child died at once; wait_ready reports it
+            pass
 
     @property
     def pid(self) -> int:
@@ -135,7 +191,8 @@ def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
             "input": rt.addrs.detokenizer_input, "output": rt.addrs.tokenizer_input,
         })
         rt.procs["scheduler"] = ChildProcess("scheduler", "scheduler", {
-            "args": dataclasses.asdict(args), "model_path": model_path,
+            # the scheduler never checks the API key: it does not get it at all
+            "args": dataclasses.asdict(args.replace(api_key=None)), "model_path": model_path,
             "input": rt.addrs.scheduler_input, "output": rt.addrs.detokenizer_input,
         })
         rt.procs["detokenizer"].wait_ready(STARTUP_TIMEOUT_S)

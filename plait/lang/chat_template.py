@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from plait.prefix import common_prefix_len
+from plait.matching import common_prefix_len
 
 SENTINEL = "\u00a7PLAIT_MESSAGE\u00a7"
 _FILLER = "x"

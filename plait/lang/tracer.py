@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from plait.lang.executor import TextState
 from plait.lang.ir import Expr, ExprList, to_expr
-from plait.prefix import common_prefix_len
+from plait.matching import common_prefix_len
 
 if TYPE_CHECKING:
     from plait.lang.backends.base import Backend

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plait.prefix import common_prefix_len
+from plait.matching import common_prefix_len
 
 if TYPE_CHECKING:
     from plait.radix_cache.kv_pool import KVPool

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from plait.matching import stop_search_start
 from plait.messages import BatchTokenOut
 from plait.runtime.core import Req
 
@@ -30,10 +31,15 @@ class StopChecker:
             req.finish("length", **({"incomplete": True} if incomplete else {}))
 
     def _stop_string(self, req: Req) -> bool:
+        """A stop string ending in the newest token's text. Occurrences wholly inside older
+        text do not count: they were either seen before (and stopped the request then) or came
+        before min_new_tokens, when stop strings are plain output."""
         longest = max(len(s) for s in req.sampling.stop)
-        tail = self.tokenizer.decode(req.output_ids[-(longest + 2) :], skip_special_tokens=False)
+        ids = req.output_ids[-(longest + 2) :]
+        tail = self.tokenizer.decode(ids, skip_special_tokens=False)
+        before = self.tokenizer.decode(ids[:-1], skip_special_tokens=False)
         for s in req.sampling.stop:
-            if s in tail:
+            if tail.find(s, stop_search_start(before, s)) >= 0:
                 req.finish("stop", matched=s)
                 return True
         return False

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from plait.prefix import common_prefix_len
+from plait.matching import common_prefix_len
 from plait.registry import SCHEDULE_POLICIES
 from plait.runtime.core import Req
 from plait.runtime.kv_manager import KVManager

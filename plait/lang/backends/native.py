@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from plait.lang.backends.base import Backend, GenResult, LogprobOptions
 from plait.lang.chat_template import ChatTemplate
 from plait.lang.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
-from plait.prefix import common_prefix_len
+from plait.matching import common_prefix_len
 from plait.sampling import SamplingParams
 
 if TYPE_CHECKING:
