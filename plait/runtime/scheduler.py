@@ -95,11 +95,17 @@ class Scheduler:
 
     def run_forever(self) -> None:
         while True:
-            try:
-                self.step(idle_wait_s=0.05)
-            except Exception as e:  # a bug outside any one request: fail what is in flight
-                logger.exception("scheduler step failed; failing the requests in flight")
-                self.fail_all(RequestFailed(f"internal error: {type(e).__name__}: {e}", 500))
+            self.step_safely(idle_wait_s=0.05)
+
+    def step_safely(self, idle_wait_s: float = 0.0) -> None:
+        """step(); an error outside any one request's step fails the requests in flight
+        (their state cannot be trusted) and the loop goes on."""
+        try:
+            self.step(idle_wait_s)
+        except Exception as e:
+            logger.exception("scheduler step failed; failing the requests in flight")
+            self.fail_all(RequestFailed(f"internal error: {type(e).__name__}: {e}", 500))
+            self._flush_outputs()
 
     def step(self, idle_wait_s: float = 0.0) -> bool:
         """One iteration; returns True if a forward ran."""
