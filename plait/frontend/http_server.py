@@ -322,7 +322,7 @@ def launch_server(args: ServerArgs) -> None:
         # a dead child stops the server, and `plait serve` exits non-zero (launch.py)
         runtime.supervise(lambda _: setattr(server, "should_exit", True), CHILD_DEATH_EXIT_S)
         server.run(sockets=[sock])
-        runtime.raise_if_failed()
+        runtime.exit_if_failed()
     finally:
         sock.close()
         if runtime is not None:

@@ -84,12 +84,17 @@ class RuntimeProcesses:
 
         threading.Thread(target=watch, name="child-supervisor", daemon=True).start()
 
-    def raise_if_failed(self) -> None:
-        """RuntimeError (a non-zero exit of `plait serve`) if a child died."""
-        if self.failure is not None:
-            raise RuntimeError(
-                f"{self.failure}; exiting with an error so that a supervisor restarts the server"
-            )
+    def exit_if_failed(self) -> None:
+        """If a child died: stop the other children and exit the process now with
+        CHILD_DIED_EXIT_CODE (skipping interpreter finalization, which takes seconds with
+        the tokenizer loaded), so that a supervisor restarts the server promptly."""
+        if self.failure is None:
+            return
+        self.shutdown()
+        print(f"plait serve: {self.failure}; exiting with status {CHILD_DIED_EXIT_CODE} so that "
+              "a supervisor restarts the server", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(CHILD_DIED_EXIT_CODE)
 
     def shutdown(self) -> None:
         self._stopping = True

@@ -127,7 +127,9 @@ def plan_batch(fn: Function, backend: Backend, items: list[dict[str, Any]]) -> B
     floor = len(common) + MIN_GROUP_EXTRA_CHARS
     start, shared = 0, len(prefixes[order[0]])
     for j in range(1, len(order) + 1):
-        lcp = common_prefix_len(prefixes[order[j - 1]], prefixes[order[j]]) if j < len(order) else -1
+        lcp = -1
+        if j < len(order):
+            lcp = common_prefix_len(prefixes[order[j - 1]], prefixes[order[j]])
         if min(shared, lcp) >= floor:
             shared = min(shared, lcp)
             continue

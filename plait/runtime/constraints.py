@@ -80,7 +80,7 @@ class ConstraintTracker:
                 done.append((req, None))
             except GrammarError as e:  # the request's constraint: 400
                 done.append((req, RequestFailed(str(e), 400, e.param)))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - fails this request (500)
                 done.append((req, RequestFailed(f"constraint: {type(e).__name__}: {e}", 500)))
         self._pending = still
         return done
@@ -105,7 +105,7 @@ class ConstraintTracker:
         for i in rows:
             try:
                 reqs[i].grammar.fill_bitmask(mask, i)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - fails this request (500)
                 on_error(reqs[i], RequestFailed(f"constraint: {type(e).__name__}: {e}", 500))
         return mask
 

@@ -61,7 +61,7 @@ class Req:
     grammar: Any = None  # Matcher, once compiled
     forced_ids: list[int] = field(default_factory=list)  # grammar-forced tokens not yet emitted
     num_forced_tokens: int = 0
-    closing_plan: ClosingPlan = ClosingPlan()
+    closing_plan: ClosingPlan = field(default_factory=ClosingPlan)
     finished_reason: dict[str, Any] | None = None
     sent_output_len: int = 0  # output tokens already sent to the detokenizer
 

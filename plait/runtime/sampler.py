@@ -49,7 +49,7 @@ class Sampler:
             try:
                 self._apply_penalties(logits, i, r)
                 self._apply_min_tokens(logits, i, r)
-            except Exception as e:  # one request's parameters; the others go on
+            except Exception as e:  # noqa: BLE001 - one request's parameters; the others go on
                 errors[i] = RequestFailed(f"sampling: {type(e).__name__}: {e}", 500)
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)
@@ -112,7 +112,7 @@ class Sampler:
             if r.sampling.seed is not None and ok[k]:
                 try:
                     out[k] = _seeded_choice(probs[k], r.sampling.seed, len(r.output_ids))
-                except Exception as e:  # e.g. a seed torch cannot take
+                except Exception as e:  # noqa: BLE001 - e.g. a seed torch cannot take
                     errors[rows[k]] = RequestFailed(f"seed: {type(e).__name__}: {e}", 400, "seed")
         return out
 

@@ -258,7 +258,9 @@ class Scheduler:
             "step_time": self.timer.summary(),
             "grammar": self.constraints.stats(),
             # requests received per priority, and waiting now per priority (str keys: JSON)
-            "requests_by_priority": {str(p): n for p, n in sorted(self.requests_by_priority.items())},
+            "requests_by_priority": {
+                str(p): n for p, n in sorted(self.requests_by_priority.items())
+            },
             "waiting_by_priority": {
                 str(p): n for p, n in sorted(Counter(r.priority for r in self.waiting).items())
             },
@@ -386,7 +388,9 @@ class Scheduler:
             with self.isolate(req):
                 self._commit_tokens(req, new_tokens.get(id(req)))
 
-    def _record_input_logprobs(self, batch: Batch, logits: torch.Tensor, row_index, input_rows) -> None:
+    def _record_input_logprobs(
+        self, batch: Batch, logits: torch.Tensor, row_index: dict[int, int], input_rows: dict
+    ) -> None:
         for i, pairs in input_rows.items():
             req = batch.reqs[i]
             with self.isolate(req):
@@ -405,7 +409,9 @@ class Scheduler:
                     if samples and req not in self.running:
                         self._on_prefilled(req)
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor, sample_row: dict[int, int]) -> dict[int, int]:
+    def _sample(
+        self, reqs: list[Req], logits: torch.Tensor, sample_row: dict[int, int]
+    ) -> dict[int, int]:
         """{id(req): next token} for the requests that sample now (not forced, not done);
         a request whose row cannot be sampled fails here."""
         to_sample = [

@@ -14,7 +14,7 @@ from plait.messages import BatchTokenOut, RequestErrorOut, TokenizedGenerateReq
 from plait.runtime import logprobs
 from plait.runtime.scheduler import Scheduler
 from tests.runtime.test_scheduler import drain as drain_running
-from tests.runtime.test_scheduler import finished, make_scheduler  # noqa: F401
+from tests.runtime.test_scheduler import finished
 
 pytestmark = pytest.mark.model
 
