@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait import registry
+from plait.registry import ATTENTION_BACKENDS, GRAMMAR_BACKENDS, SCHEDULE_POLICIES, Registry
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -21,7 +21,7 @@ GRAMMAR_ISOLATIONS = ("thread", "process")
 API_KEY_ENV = "PLAIT_API_KEY"
 
 
-def _choices(registry_: registry.Registry, *extra: str):
+def _choices(registry_: Registry, *extra: str):
     """Choices read from a registry when asked (parts registered later are included)."""
     return lambda: (*extra, *registry_.names())
 
@@ -71,14 +71,14 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "turn off prefix reuse (same interface, no sharing)")
     schedule_policy: str = _opt(
         "lpm", "lpm: longest prefix match first; fcfs (both by priority first)",
-        _choices(registry.SCHEDULE_POLICIES),
+        _choices(SCHEDULE_POLICIES),
     )
     attention_backend: str = _opt(
         "auto", "attention kernels (auto: triton on CUDA, torch on CPU)",
-        _choices(registry.ATTENTION_BACKENDS, "auto"),
+        _choices(ATTENTION_BACKENDS, "auto"),
     )
     grammar_backend: str = _opt(
-        "xgrammar", "constrained-decoding backend", _choices(registry.GRAMMAR_BACKENDS)
+        "xgrammar", "constrained-decoding backend", _choices(GRAMMAR_BACKENDS)
     )
     grammar_compile_timeout: float = _opt(5.0, "seconds before a constraint compile fails the request")
     grammar_cache_dir: str | None = _opt(None, "persist compiled grammars here (survives restarts)")
