@@ -193,7 +193,8 @@ def test_unsatisfiable_grammars_are_refused(make_scheduler):
 def test_stop_token_ids_beyond_the_vocabulary_with_min_new_tokens(make_scheduler):
     s, io = make_scheduler(max_total_tokens=512)
     vocab = s.runner.config.vocab_size
-    submit(io, "r", stop_token_ids=[vocab + 5, 2**40], min_new_tokens=3, max_new_tokens=5)
+    # (the frontend refuses ids beyond the vocabulary; the sampler must not index with them)
+    submit(io, "r", stop_token_ids=[vocab + 5, vocab * 1000], min_new_tokens=3, max_new_tokens=5)
     drain(s)
     assert finished(io)["r"]["type"] == "length" and not errors(io)
     assert_idle(s)
