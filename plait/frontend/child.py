@@ -3,8 +3,8 @@
 Children are started with subprocess rather than multiprocessing so that a user's script is
 never re-imported (no `if __name__ == "__main__"` requirement) and nothing is forked from a
 process whose threads are running. The configuration (JSON) arrives on stdin, not in argv,
-which any user can read (/proc/PID/cmdline). Readiness (or the start-up error) is written as one JSON
-document to the inherited pipe FD.
+which any user can read (/proc/PID/cmdline). Readiness (or the start-up error) is written as
+one JSON document to the inherited pipe FD.
 """
 
 from __future__ import annotations
