@@ -156,9 +156,7 @@ class LlamaCppPeer:
                     out.append(tok)
                     if len(out) >= max_new_tokens:
                         break
-            if grammar is not None:
-                grammar.reset()
-            outs.append(out)
+            outs.append(out)  # (generate() builds a fresh sampler, grammar state included)
         return outs
 
     def step_time(self, context: int, steps: int) -> float:
@@ -219,12 +217,20 @@ def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
     with tarfile.open(sdists[-1]) as tar:
         members = [m for m in tar.getmembers()
                    if "/vendor/llama.cpp/convert_hf_to_gguf.py" in m.name
-                   or "/vendor/llama.cpp/gguf-py/" in m.name]
+                   or "/vendor/llama.cpp/gguf-py/" in m.name
+                   or "/vendor/llama.cpp/conversion/" in m.name]
         tar.extractall(tmp, members=members, filter="data")
     script = next(tmp.rglob("convert_hf_to_gguf.py"))
-    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py")}
-    subprocess.run([sys.executable, str(script), hf_dir, "--outtype", outtype, "--outfile", out],
-                   check=True, env=env)
+    # the converter imports its own gguf-py and conversion/ from beside itself
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent),
+                                                        str(script.parent / "gguf-py")])}
+    try:
+        subprocess.run([sys.executable, str(script), hf_dir, "--outtype", outtype,
+                        "--outfile", out], check=True, env=env)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     return Path(out)
 
 
