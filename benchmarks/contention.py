@@ -96,16 +96,14 @@ def _engines(names: set[str], model: str, workload: wl.SuiteWorkload, args) -> l
 
         engines.append(PlaitEngine("plait", model, log_level="warning"))
     if "vllm" in names:
-        from benchmarks import peers
         from benchmarks.run import LOGS, PeerWorker
 
         LOGS.mkdir(parents=True, exist_ok=True)
         worker = PeerWorker(model, {workload.name: workload}, args.vllm_kv_gib, args.peers_venv,
                             LOGS / "vllm-contention.log")
-        vllm = [e for e in worker.engines() if "prefix cache on" in e.name][0]
+        vllm = next(e for e in worker.engines() if "prefix cache on" in e.name)
         vllm.close = worker.close  # the worker holds the engine
         engines.append(vllm)
-        del peers
     return engines
 
 

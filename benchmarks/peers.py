@@ -194,7 +194,7 @@ def llamacpp_step(gguf: str, context: int, steps: int, threads: int,
             f"p = LlamaCppPeer('x', {gguf!r}, {context + steps + 16}, {threads}); "
             f"print(json.dumps(p.step_time({context}, {steps})))")
     r = subprocess.run([str(peer_python(venv)), "-c", code], capture_output=True, text=True,
-                       env=peer_env(venv), cwd=HERE.parent)
+                       env=peer_env(venv), cwd=HERE.parent, check=False)
     if r.returncode != 0:
         print(f"peers: llama.cpp step failed: {r.stderr[-500:]}", file=sys.stderr)
         return None
@@ -202,10 +202,11 @@ def llamacpp_step(gguf: str, context: int, steps: int, threads: int,
 
 
 def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
-                    sdist_dir: Path | None = None) -> Path:
+                    sdist_dir: Path | None = None, python: str | None = None) -> Path:
     """An F32/F16 GGUF of a Hugging Face checkpoint, made by llama.cpp's own converter
     (convert_hf_to_gguf.py and its gguf-py, from the llama-cpp-python sdist that setup_peers.sh
-    keeps next to the wheel)."""
+    keeps next to the wheel). It needs torch, transformers, numpy and sentencepiece: the peers'
+    venv has them (setup_peers.sh); `python` picks another interpreter."""
     import subprocess
     import tarfile
     import tempfile
@@ -222,10 +223,12 @@ def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
         tar.extractall(tmp, members=members, filter="data")
     script = next(tmp.rglob("convert_hf_to_gguf.py"))
     # the converter imports its own gguf-py and conversion/ from beside itself
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent),
-                                                        str(script.parent / "gguf-py")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(script.parent), str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH")]))}
+    if python is None:
+        python = str(peer_python()) if peer_python().exists() else sys.executable
     try:
-        subprocess.run([sys.executable, str(script), hf_dir, "--outtype", outtype,
+        subprocess.run([python, str(script), hf_dir, "--outtype", outtype,
                         "--outfile", out], check=True, env=env)
     finally:
         import shutil
