@@ -45,7 +45,7 @@ def extraction(model: str, backend: str, n: int = 32) -> dict:
 
     import plait
 
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     w = wl.json_constrained(ModelConfig.from_dir(model).vocab_size, n=n)
     schema = json.loads(w.json_schema)
@@ -99,7 +99,7 @@ def compile_times(model: str, backend: str, schemas: dict[str, str]) -> dict:
 
     from plait.grammar.base import GrammarError
     from plait.grammar.manager import GrammarManager
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model)
     tok = AutoTokenizer.from_pretrained(model)
@@ -301,7 +301,7 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     import datetime as dt
 
-    from plait.runtime.default_model import ensure_checkpoint
+    from plait.models.embedded import ensure_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -306,7 +306,7 @@ class JsonChecker:
     def __init__(self, model: str) -> None:
         from transformers import AutoTokenizer
 
-        from plait.runtime.models import ModelConfig
+        from plait.models.config import ModelConfig
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.config = ModelConfig.from_dir(model)
@@ -350,7 +350,7 @@ class JsonChecker:
 
 
 def offline_suite(model_name: str, model: str, names: list[str], args, meta: dict) -> dict:
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     vocab = ModelConfig.from_dir(model).vocab_size
     all_w = wl.suite(vocab, quick=args.quick)
@@ -868,7 +868,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from plait.runtime.default_model import ensure_checkpoint
+    from plait.models.embedded import ensure_checkpoint
 
     log("checkpoints: " + ", ".join(f"{n} -> {ensure_checkpoint(n)}" for n in CHECKPOINTS))
     names = (args.models or ("plait-tiny" if args.quick else ",".join(CHECKPOINTS))).split(",")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.args import ServerArgs
-from plait.runtime.models import resolve_model_path
+from plait.models.resolve import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
