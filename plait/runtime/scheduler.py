@@ -31,6 +31,7 @@ from plait.runtime.core import Batch, Req
 from plait.runtime.kv_manager import KVManager
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.output import OutputCollector, StopChecker
+from plait.runtime.parallel import TPGroup
 from plait.runtime.sampler import Sampler, top_logprobs
 from plait.runtime.step_timer import StepTimer
 from plait.sampling import SamplingParams
@@ -44,11 +45,13 @@ class SchedulerIO(Protocol):
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, model_path: str, io: SchedulerIO, tokenizer) -> None:
+    def __init__(
+        self, args: ServerArgs, model_path: str, io: SchedulerIO, tokenizer, tp: TPGroup | None = None
+    ) -> None:
         self.args = args
         self.io = io
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(args, model_path)
+        self.runner = ModelRunner(args, model_path, tp)  # tp: rank 0 of a tensor-parallel group
         cache = RadixCache(self.runner.kv_pool, disable=args.disable_radix_cache)
         self.kv = KVManager(self.runner.kv_pool, self.runner.req_to_token_pool, cache)
         cfg = self.runner.config
