@@ -20,7 +20,7 @@ from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
 from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
 from plait.runtime.models import ModelConfig, load_model, resolve_dtype
-from plait.runtime.parallel import ModelSharding, TPGroup
+from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class ModelRunner:
             # a copy: tied embeddings still need the plain weight for the input lookup
             self.model.packed_lm_head = pack_linear(self.model.lm_head_weight)
             pack_layer_linears(self.model.model)  # the decoder layers (not lm_head)
+            if self.sharding:
+                pack_row_parallel(self.model.model)
         self.attn_backend = attn
         pool_tokens = self._pool_size()
         self.kv_pool = KVPool(

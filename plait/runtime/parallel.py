@@ -223,10 +223,25 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
+        self.packed: nn.Module | None = None  # a oneDNN-prepacked copy (CPU, see cpu_tuning)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.packed(x) if self.packed is not None else nn.functional.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+def pack_row_parallel(model: nn.Module) -> int:
+    """Prepack the large row-parallel projections as cpu_tuning.pack_layer_linears does the
+    plain ones (which it skips: these must all-reduce before their bias)."""
+    from plait.runtime.cpu_tuning import MIN_PACKED_LINEAR, pack_linear
+
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear) and module.weight.numel() >= MIN_PACKED_LINEAR:
+            module.packed = pack_linear(module.weight)
+            packed += module.packed is not None
+    return packed
 
 
 class VocabParallelEmbedding(nn.Embedding):
