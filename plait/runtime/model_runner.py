@@ -58,6 +58,11 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, model_path: str, tp: TPGroup | None = None) -> None:
         self.args = args
         self.tp = tp or TPGroup()
+        if self.tp.size != args.tp_size:
+            raise ValueError(
+                f"tp_size: {args.tp_size} ranks need the processes plait's launcher starts "
+                f"(plait.Engine, plait serve); this runner is one of {self.tp.size}"
+            )
         self.device = self.tp.device if self.tp.size > 1 else _resolve_device(args.device)
         self.config = ModelConfig.from_dir(model_path)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
