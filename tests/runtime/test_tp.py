@@ -17,9 +17,9 @@ import torch
 import plait
 from plait.args import ServerArgs
 from plait.kernels.base import ForwardMode
+from plait.models.llama import LlamaForCausalLM
 from plait.radix_cache.kv_pool import ReqToTokenPool
 from plait.runtime.model_runner import ForwardInputs
-from plait.models.llama import LlamaForCausalLM
 from plait.runtime.parallel import ModelSharding, TPGroup, check_tp_divisible
 from plait.runtime.tp_worker import BatchSender, ForwardMessage, RowUpdate, decode, encode
 from tests.runtime.test_parity import assert_matches, hf_reference, make_prompts, run_plait
