@@ -31,12 +31,17 @@ def _choice_names(choices: Any) -> tuple[str, ...]:
     return tuple(choices()) if callable(choices) else tuple(choices)
 
 
-def _opt(default: Any, help: str, choices: Any = None, flag: str | None = None):
-    meta = {"help": help}
+def _opt(
+    default: Any, help: str, choices: Any = None, flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+):
+    meta: dict[str, Any] = {"help": help}
     if choices:
         meta["choices"] = choices
     if flag:
         meta["flag"] = flag
+    if aliases:
+        meta["aliases"] = aliases
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -113,7 +118,13 @@ class ServerArgs:
     )
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
-    num_threads: int | None = _opt(None, "torch CPU threads in the scheduler (default: all cores)")
+    num_threads: int | None = _opt(
+        None, "torch CPU threads in the scheduler (default: all cores, split between TP ranks)"
+    )
+    tp_size: int = _opt(
+        1, "tensor parallelism: split the model's heads, MLP and vocabulary over N processes "
+        "(rank 0 schedules; gloo on CPU, NCCL on CUDA)", flag="--tp", aliases=("--tp-size",),
+    )
     disable_cpu_prepack: bool = _opt(
         False, "on CPU, run the logits and large projections on torch's plain weights instead of "
         "oneDNN-prepacked ones (the logits copy costs one extra output embedding of memory)",
@@ -131,7 +142,8 @@ class ServerArgs:
                 raise ValueError(
                     f"{f.name}: must be one of {', '.join(allowed)}, got {getattr(self, f.name)!r}"
                 )
-        for name in ("max_running_requests", "max_queued_requests", "chunked_prefill_size", "stream_interval"):
+        for name in ("max_running_requests", "max_queued_requests", "chunked_prefill_size",
+                     "stream_interval", "tp_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -196,7 +208,7 @@ class ServerArgs:
                     kwargs["choices"] = _choice_names(f.metadata["choices"])
                 if "default:" not in kwargs["help"]:
                     kwargs["help"] += f" (default: {f.default})"
-            names = [flag]
+            names = [flag, *f.metadata.get("aliases", ())]
             if flag == "--model":
                 names.append("--model-path")
             parser.add_argument(*names, **kwargs)

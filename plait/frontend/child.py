@@ -56,7 +56,13 @@ def main() -> None:
         from plait.runtime.scheduler_process import run_scheduler_process
 
         args = ServerArgs(**config["args"])
-        run_scheduler_process(args, config["model_path"], config["input"], config["output"], ready)
+        run_scheduler_process(args, config["model_path"], config["input"], config["output"], ready,
+                              config.get("tp_init"))
+    elif role == "tp_worker":  # a tensor-parallel rank > 0
+        from plait.runtime.tp_worker import run_tp_worker
+
+        args = ServerArgs(**config["args"])
+        run_tp_worker(args, config["model_path"], config["rank"], config["tp_init"], ready)
     elif role == "detokenizer":
         from plait.frontend.detokenizer import run_detokenizer_process
 

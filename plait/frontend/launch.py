@@ -199,17 +199,60 @@ def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
             "tokenizer_path": args.tokenizer_path or model_path,
             "input": rt.addrs.detokenizer_input, "output": rt.addrs.tokenizer_input,
         })
+        tp_init = _tp_rendezvous(args, model_path, ipc_dir)
         rt.procs["scheduler"] = ChildProcess("scheduler", "scheduler", {
             # the scheduler never checks the API key: it does not get it at all
             "args": dataclasses.asdict(args.replace(api_key=None)), "model_path": model_path,
             "input": rt.addrs.scheduler_input, "output": rt.addrs.detokenizer_input,
+            "tp_init": tp_init,
         })
+        for rank in range(1, args.tp_size):  # tensor-parallel ranks > 0: forwards only
+            rt.procs[f"tp{rank}"] = ChildProcess(f"tp{rank}", "tp_worker", {
+                "args": dataclasses.asdict(args), "model_path": model_path, "rank": rank,
+                "tp_init": tp_init,
+            })
         rt.procs["detokenizer"].wait_ready(STARTUP_TIMEOUT_S)
-        rt.model_info = rt.procs["scheduler"].wait_ready(STARTUP_TIMEOUT_S)
+        ranks = [rt.procs["scheduler"]] + [rt.procs[f"tp{r}"] for r in range(1, args.tp_size)]
+        rt.model_info = _wait_all_ready(ranks, STARTUP_TIMEOUT_S)[0]
     except BaseException:
         rt.shutdown()
         raise
     return rt
+
+
+def _tp_rendezvous(args: ServerArgs, model_path: str, ipc_dir: str) -> str | None:
+    """The tensor-parallel group's rendezvous (a file store in the private ipc dir), after
+    checking the model splits over args.tp_size ranks (a ValueError naming what does not)."""
+    if args.tp_size == 1:
+        return None
+    from plait.models.config import ModelConfig
+    from plait.runtime.parallel import check_tp_divisible
+
+    check_tp_divisible(ModelConfig.from_dir(model_path), args.tp_size)
+    store = os.path.join(ipc_dir, "tp_store")
+    if os.path.exists(store):  # left by an earlier run in a user-given ipc dir
+        os.remove(store)
+    return f"file://{store}"
+
+
+def _wait_all_ready(children: list[ChildProcess], timeout: float) -> list[dict[str, Any]]:
+    """Wait for processes that start together (the TP ranks meet in collectives): the first
+    failure is raised at once instead of after the others' collectives time out."""
+    if len(children) == 1:
+        return [children[0].wait_ready(timeout)]
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    pool = ThreadPoolExecutor(len(children))
+    try:
+        futures = [pool.submit(c.wait_ready, timeout) for c in children]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        return [f.result() for f in futures]
+    finally:
+        # after a failure the caller's shutdown() ends the others, and with them their waits
+        pool.shutdown(wait=False)
 
 
 def launch_with_tokenizer(args: ServerArgs) -> tuple[RuntimeProcesses, Any]:

@@ -40,6 +40,7 @@ from plait.runtime.core import Batch, Req, RequestFailed
 from plait.runtime.kv_manager import KVManager
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.output import OutputCollector, StopChecker
+from plait.runtime.parallel import TPGroup
 from plait.runtime.sampler import Sampler
 from plait.runtime.step_timer import StepTimer
 from plait.sampling import SamplingParams
@@ -53,11 +54,13 @@ class SchedulerIO(Protocol):
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, model_path: str, io: SchedulerIO, tokenizer) -> None:
+    def __init__(
+        self, args: ServerArgs, model_path: str, io: SchedulerIO, tokenizer, tp: TPGroup | None = None
+    ) -> None:
         self.args = args
         self.io = io
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(args, model_path)
+        self.runner = ModelRunner(args, model_path, tp)  # tp: rank 0 of a tensor-parallel group
         cache = RadixCache(self.runner.kv_pool, disable=args.disable_radix_cache)
         self.kv = KVManager(self.runner.kv_pool, self.runner.req_to_token_pool, cache)
         cfg = self.runner.config
@@ -360,6 +363,10 @@ class Scheduler:
             with self.timer("forward"):
                 out = self.runner.forward(batch, plan.rows)
         except Exception as e:  # the batch's requests fail; the server keeps serving
+            if self.runner.tp.size > 1:
+                # the other ranks may have run (part of) this forward: they are out of step,
+                # so the scheduler process dies and the server exits (children are watched)
+                raise
             logger.exception("forward of %d requests failed", batch.batch_size)
             error = RequestFailed(f"internal error in the forward: {type(e).__name__}: {e}", 500)
             for req in batch.reqs:
