@@ -92,10 +92,14 @@ FIELDS = list(RECORD_SCHEMA["properties"])
 TEMPLATES = [
     "{name}, {age}, from {city}, paid {amount} dollars for {goods} on {date_text}.",
     "On {date_text}, {name} ({age} years old) bought {goods} in {city} for {amount} dollars.",
-    "{name} is {age} and lives in {city}. On {date_text} {first} spent {amount} dollars on "
-    "{goods}.",
-    "Receipt from {city}, {date_text}: {goods}, total {amount} dollars. Customer: {name}, "
-    "age {age}.",
+    (
+        "{name} is {age} and lives in {city}. On {date_text} {first} spent {amount} dollars on "
+        "{goods}."
+    ),
+    (
+        "Receipt from {city}, {date_text}: {goods}, total {amount} dollars. Customer: {name}, "
+        "age {age}."
+    ),
 ]
 EXTRACT_SYSTEM = (
     "Extract the purchase described in the text as JSON with the keys name, age, city, date "
@@ -429,9 +433,11 @@ def to_markdown(r: dict) -> str:
     lines = [
         f"# Answer quality: {r['model']}",
         "",
-        f"`{cmd}` (git {r['git']}, {r['date']}); greedy; test split only "
-        f"(first {DEV_FRACTION:.0%} of each item list is the dev split, used for prompt "
-        "tuning).",
+        (
+            f"`{cmd}` (git {r['git']}, {r['date']}); greedy; test split only "
+            f"(first {DEV_FRACTION:.0%} of each item list is the dev split, used for prompt "
+            "tuning)."
+        ),
         "",
         "## JSON extraction",
         "",
@@ -454,23 +460,27 @@ def to_markdown(r: dict) -> str:
         "",
         "## Classification",
         "",
-        f"{c['n']} test items (sentiment + true/false sums, balanced); majority baseline "
-        f"{c['majority_baseline']:.1%}.",
+        (
+            f"{c['n']} test items (sentiment + true/false sums, balanced); majority baseline "
+            f"{c['majority_baseline']:.1%}."
+        ),
         "",
         "| method | all | sentiment | arithmetic |",
         "|---|---|---|---|",
     ]
     for k, v in c.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "all" in v:
             lines.append(f"| {k} | {v['all']:.1%} | {v['sentiment']:.1%} | {v['arithmetic']:.1%} |")
     j = r["judge"]
     lines += [
         "",
         "## Judge",
         "",
-        f"examples/judge.py's rubric over {j['n']} test items with `run_batch`: agreement "
-        f"{j['agreement']:.1%} vs majority baseline {j['majority_baseline']:.1%} "
-        f"(cached-token fraction {j['cached_token_fraction']:.1%}).",
+        (
+            f"examples/judge.py's rubric over {j['n']} test items with `run_batch`: agreement "
+            f"{j['agreement']:.1%} vs majority baseline {j['majority_baseline']:.1%} "
+            f"(cached-token fraction {j['cached_token_fraction']:.1%})."
+        ),
         "",
     ]
     return "\n".join(lines)
