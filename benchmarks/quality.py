@@ -501,7 +501,11 @@ def main(argv=None) -> None:
     backend = pl.EngineBackend(engine)
     tok = engine.tokenizer
     git = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
     ).stdout.strip()
     result: dict[str, Any] = {
         "model": engine.model_info["model_path"],
