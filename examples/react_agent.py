@@ -91,8 +91,9 @@ def agent(s, question, max_steps=3):
         trace.append((action, arg, observation))
     else:
         s += "Action: finish["  # out of steps: answer now
-    s += pl.gen_int("answer", max_tokens=12) + "]\n"
-    trace.append(("finish", s["answer"], None))
+    # the closing bracket is part of the regex so the model can end the number itself
+    s += pl.gen("answer", regex=r"-?[0-9]{1,10}\]", max_tokens=12, temperature=0) + "\n"
+    trace.append(("finish", s["answer"].rstrip("]"), None))
     return trace
 
 
@@ -106,7 +107,7 @@ def main(limit: int = 10, max_steps: int = 3, backend: pl.Backend | None = None)
         if state.error() is not None:
             print(f"Q: {question}\n  failed: {state.error()}")
             continue
-        ok = is_solved(state["answer"], expected)
+        ok = is_solved(state.ret_value[-1][1], expected)
         solved += ok
         steps = " ".join(
             f"{a}[{arg}]" + ("" if obs is None else f"->{obs}") for a, arg, obs in state.ret_value
