@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -220,7 +221,7 @@ def classify_select(s, prompt, prefix, choices, method):
 
 @pl.function
 def classify_gen(s, prompt, prefix):
-    s += prompt + prefix + pl.gen("label", max_tokens=4, temperature=0)
+    s += prompt + prefix + pl.gen("label", max_tokens=8, temperature=0)
 
 
 def chat_prompt(tokenizer, system: str | None, user: str) -> str:
@@ -265,6 +266,7 @@ def score_extraction(outputs: list[str | None], items: list[dict], whole: bool) 
     n = len(items)
     return {
         "n": n,
+        "no_output": sum(o is None for o in outputs),
         "parsed": parsed / n,
         "valid": valid / n,
         "field_exact": sum(correct.values()) / (n * len(FIELDS)),
@@ -286,10 +288,11 @@ def majority_baseline(items: list[dict]) -> float:
 
 
 def match_label(text: str | None, choices: list[str]) -> str | None:
-    """gen + string matching: the choice the generated text starts with (case-insensitive)."""
-    t = (text or "").strip().lower()
-    hits = [c for c in choices if t.startswith(c.lower())]
-    return hits[0] if hits else None
+    """gen + string matching: the choice whose word comes first in the generated text
+    (case-insensitive); the model often says "100% positive", not "positive"."""
+    t = (text or "").lower()
+    found = [(m.start(), c) for c in choices if (m := re.search(rf"\b{c.lower()}\b", t))]
+    return min(found)[1] if found else None
 
 
 # ----------------------------------------------------------------------------- runs
@@ -497,7 +500,14 @@ def main(argv=None) -> None:
     n_extract, n_class, n_judge = (args.limit,) * 3 if args.limit else (400, 400, 250)
     _, ext_items = split(extraction_items(n_extract))
     _, cls_items = split(classification_items(n_class))
-    engine = plait.Engine(args.model, max_total_tokens=65536, log_level="warning")
+    engine = plait.Engine(
+        # no request deadline: on a busy machine queued requests otherwise time out, and a
+        # timeout would count as a wrong answer
+        args.model,
+        max_total_tokens=65536,
+        log_level="warning",
+        request_timeout=0,
+    )
     backend = pl.EngineBackend(engine)
     tok = engine.tokenizer
     git = subprocess.run(
