@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.args import ServerArgs
-from plait.frontend import native_api, openai_api
+from plait.frontend import native_api, openai_api, router_compat
 from plait.frontend.metrics import CONTENT_TYPE, Metrics
 from plait.frontend.native_api import ClientGone, error_body, until_disconnect
 from plait.frontend.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
@@ -69,7 +69,7 @@ def create_app(
     )
     state.metrics = Metrics(args.model_name)
 
-    routers = [native_api.router, openai_api.router]
+    routers = [native_api.router, openai_api.router, router_compat.router]
     for router in routers:
         app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
@@ -79,6 +79,8 @@ def create_app(
     # metric labels: known paths, everything else "other" (no unbounded label values)
     routes = {r.path for router in routers for r in router.routes}
     routes |= {"/health", "/health_generate", "/metrics"}
+    # sglang-router's extra request fields (router_compat); inside the Gate, so after auth
+    app.add_middleware(router_compat.RouterFields)
     app.add_middleware(Gate, api_key=args.api_key, routes=routes)
     return app
 
