@@ -17,6 +17,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashattn")
 GRAMMAR_BACKENDS = ("xgrammar", "outlines")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# sglang-router's --policy choices that need nothing but worker URLs (plait/frontend/replicas.py)
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
@@ -74,6 +76,20 @@ class ServerArgs:
     stream_interval: int = _opt(1, "send streamed tokens every N decode steps")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
     ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: private tmp)")
+    # data parallelism (plait/frontend/replicas.py): `plait serve` only
+    dp_size: int = _opt(
+        1, "serve N independent replicas on ports PORT+1..PORT+N (each its own process, KV "
+        "pool and radix cache) and print the sglang-router command that fronts them",
+        flag="--dp",
+    )
+    router: bool = _opt(
+        False, "with --dp: also run sglang-router on --host/--port in front of the replicas "
+        "(pip install sglang-router)",
+    )
+    router_policy: str = _opt(
+        "cache_aware", "sglang-router's policy for --dp (cache_aware sends a request to the "
+        "replica whose cache most likely holds its prefix)", ROUTER_POLICIES,
+    )
 
     def __post_init__(self) -> None:
         checks = {
@@ -83,11 +99,12 @@ class ServerArgs:
             "grammar_isolation": ("thread", "process"),
             "dtype": DTYPES,
             "log_level": LOG_LEVELS,
+            "router_policy": ROUTER_POLICIES,
         }
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("max_running_requests", "max_queued_requests", "chunked_prefill_size", "stream_interval"):
+        for name in ("max_running_requests", "max_queued_requests", "chunked_prefill_size", "stream_interval", "dp_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -96,6 +113,8 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static: must be in (0, 0.95], got {self.mem_fraction_static}")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("grammar_compile_timeout: must be > 0")
+        if self.dp_size > 1 and not 0 < self.port <= 65535 - self.dp_size:
+            raise ValueError(f"dp_size: ports {self.port}+1..+{self.dp_size} are out of range")
 
     # ----------------------------------------------------------------- construction
     @classmethod

@@ -43,6 +43,13 @@ MAX_RESTARTS = 3
 # The router's defaults (health check every 60 s, 3 failures to mark a worker unhealthy) leave
 # a dead replica in rotation for minutes; the router we launch checks every few seconds.
 ROUTER_HEALTH_INTERVAL_S = 5
+# The router's circuit breaker counts every non-2xx answer as a worker failure, 4xx included:
+# 10 invalid requests in 2 minutes take a healthy replica out for 60 s, and 10 x N refuse all
+# traffic ("no_available_workers"). plait answers bad input with 400 by design, so the router
+# we launch runs without it; dead replicas are caught by the health checks above, and a
+# refused connection is retried on another replica meanwhile.
+ROUTER_FLAGS = ("--disable-circuit-breaker",)
+ROUTER_LOG_LEVELS = {"warning": "warn"}
 
 
 @dataclasses.dataclass
@@ -78,6 +85,9 @@ def router_command(args: ServerArgs, worker_urls: list[str], prometheus_port: in
         str(args.port),
         "--health-check-interval-secs",
         str(ROUTER_HEALTH_INTERVAL_S),
+        *ROUTER_FLAGS,
+        "--log-level",
+        ROUTER_LOG_LEVELS.get(args.log_level, args.log_level),
     ]
     if prometheus_port is not None:
         cmd += ["--prometheus-port", str(prometheus_port)]
