@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -107,7 +107,8 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------ processes
     def _popen(self, cmd: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        # preexec_fn is safe here: the supervisor runs no threads
+        return subprocess.Popen(cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509
 
     def start_replica(self, r: Replica) -> None:
         logger.info("replica %d: starting on %s", r.index, r.url)
@@ -164,8 +165,7 @@ class ReplicaSet:
             cmd[0] = "python"
             print(
                 f"plait: {len(urls)} replicas ready at {', '.join(urls)}\n"
-                "front them with SGLang's router (pip install sglang-router):\n  "
-                + " ".join(cmd),
+                "front them with SGLang's router (pip install sglang-router):\n  " + " ".join(cmd),
                 flush=True,
             )
             return
@@ -207,16 +207,42 @@ class ReplicaSet:
                 if r.restarts >= MAX_RESTARTS:
                     logger.error(
                         "replica %d exited (code %s) after %d restarts: stopping",
-                        r.index, code, r.restarts,
+                        r.index,
+                        code,
+                        r.restarts,
                     )
                     return 1
                 r.restarts += 1
                 logger.warning(
                     "replica %d exited (code %s): restarting (%d/%d)",
-                    r.index, code, r.restarts, MAX_RESTARTS,
+                    r.index,
+                    code,
+                    r.restarts,
+                    MAX_RESTARTS,
                 )
                 self.start_replica(r)
         return 0
+
+
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """A port p with p..p+n-1 all free on host (for a router on p and n-1 replicas)."""
+    for _ in range(100):
+        base = free_port(host)
+        if base + n > 65536:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on {host}")
 
 
 def _die_with_parent() -> None:

@@ -158,9 +158,7 @@ def _error_body(e: RequestError) -> dict[str, Any]:
 
 async def _send_json(send, obj: Any, status: int) -> None:
     response = JSONResponse(obj, status_code=status)
-    await send(
-        {"type": "http.response.start", "status": status, "headers": response.raw_headers}
-    )
+    await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})
 
 
