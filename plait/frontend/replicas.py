@@ -43,11 +43,13 @@ MAX_RESTARTS = 3
 # The router's defaults (health check every 60 s, 3 failures to mark a worker unhealthy) leave
 # a dead replica in rotation for minutes; the router we launch checks every few seconds.
 ROUTER_HEALTH_INTERVAL_S = 5
-# The router's circuit breaker counts every non-2xx answer as a worker failure, 4xx included:
-# 10 invalid requests in 2 minutes take a healthy replica out for 60 s, and 10 x N refuse all
-# traffic ("no_available_workers"). plait answers bad input with 400 by design, so the router
-# we launch runs without it; dead replicas are caught by the health checks above, and a
-# refused connection is retried on another replica meanwhile.
+# The router's circuit breaker (0.3.2) counts every non-2xx answer as a worker failure, 4xx
+# included: 10 consecutive invalid requests take a healthy replica out for 60 s, and on every
+# replica they refuse all traffic ("no_available_workers"). plait answers bad input with 400 by
+# design, so the router we launch runs without it. The cost: a dead replica is dropped by the
+# health checks above (3 failures, ~15 s) rather than by the breaker, and until then the
+# requests the router sends there fail (cache_aware keeps choosing the replica that holds
+# their prefix; round_robin's retry moves on to the next replica).
 ROUTER_FLAGS = ("--disable-circuit-breaker",)
 ROUTER_LOG_LEVELS = {"warning": "warn"}
 
@@ -116,7 +118,7 @@ class ReplicaSet:
 
     def start_router(self) -> None:
         cmd = router_command(self.args, [r.url for r in self.replicas], free_port(self.args.host))
-        logger.info("router: %s", " ".join(cmd))
+        logger.info("router: %s", _shown(cmd, self.args))
         self.router = self._popen(cmd)
 
     def wait_healthy(self, url: str, proc: subprocess.Popen, path: str, timeout: float) -> None:
@@ -165,7 +167,8 @@ class ReplicaSet:
             cmd[0] = "python"
             print(
                 f"plait: {len(urls)} replicas ready at {', '.join(urls)}\n"
-                "front them with SGLang's router (pip install sglang-router):\n  " + " ".join(cmd),
+                "front them with SGLang's router (pip install sglang-router):\n  "
+                + _shown(cmd, self.args),
                 flush=True,
             )
             return
@@ -222,6 +225,11 @@ class ReplicaSet:
                 )
                 self.start_replica(r)
         return 0
+
+
+def _shown(cmd: list[str], args: ServerArgs) -> str:
+    """The command line for logs and the console: the API key replaced by a placeholder."""
+    return " ".join("$PLAIT_API_KEY" if args.api_key and a == args.api_key else a for a in cmd)
 
 
 def free_port_block(n: int, host: str = "127.0.0.1") -> int:
