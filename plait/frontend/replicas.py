@@ -92,7 +92,8 @@ def router_command(args: ServerArgs, worker_urls: list[str], prometheus_port: in
         ROUTER_LOG_LEVELS.get(args.log_level, args.log_level),
     ]
     if prometheus_port is not None:
-        cmd += ["--prometheus-port", str(prometheus_port)]
+        # the router's metrics listen on 0.0.0.0 by default: keep them on the router's host
+        cmd += ["--prometheus-port", str(prometheus_port), "--prometheus-host", args.host]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     return cmd
