@@ -6,7 +6,7 @@ one replica alone, on shared-prefix workloads.
     python -m benchmarks.scaleout --quick               # a minute: 4 rubrics x 4 items
 
 Workloads (text prompts, greedy, `ignore_eos`, so every request generates --max-tokens):
-- judge: R distinct rubrics x I items, interleaved (rubric k % R for request k), through the
+- judge: R distinct rubrics x I items, interleaved in a seeded random order, through the
   native /generate;
 - chat: multi-turn conversations over S shared system prompts (conversation c uses system
   c % S), each turn sending the whole history, through /v1/chat/completions.
@@ -40,6 +40,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,22 +83,23 @@ class Judge:
         return cls(rubrics, items, max_tokens)
 
     def requests(self) -> list[dict]:
+        """Every (rubric, item) pair in a seeded random order: interleaved, but without a
+        period that round robin over 2 replicas could align with (r0 r1 ... r7 r0 ... would
+        send each rubric to the same replica every time)."""
         rng = random.Random(16)
-        out = []
-        for k in range(len(self.rubrics) * self.items):  # interleaved: r0 r1 ... r7 r0 r1 ...
-            rubric = self.rubrics[k % len(self.rubrics)]
-            text = f"{rubric}Item {k}: {_words(rng, 15)}\nGrade:"
-            out.append(
-                {
-                    "text": text,
-                    "sampling_params": {
-                        "max_new_tokens": self.max_tokens,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },
-                }
-            )
-        return out
+        pairs = [(r, i) for r in range(len(self.rubrics)) for i in range(self.items)]
+        rng.shuffle(pairs)
+        return [
+            {
+                "text": f"{self.rubrics[r]}Item {i}: {_words(rng, 15)}\nGrade:",
+                "sampling_params": {
+                    "max_new_tokens": self.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            }
+            for r, i in pairs
+        ]
 
     async def run(self, client: httpx.AsyncClient, concurrency: int) -> tuple[int, int]:
         queue = list(reversed(self.requests()))
@@ -310,7 +312,9 @@ def targets(judge: dict) -> dict:
     }
 
 
-def bench_model(model: str, a: argparse.Namespace, logs: Path) -> dict:
+def bench_model(model: str, a: argparse.Namespace, logs: Path, save) -> dict:
+    """Both regimes for one model; `save(result)` after each, so a run cut short keeps what
+    it measured."""
     judge = Judge.make(a.rubrics, a.items, a.rubric_words, a.max_tokens)
     chat = Chat.make(a.systems, a.conversations, a.turns, a.system_words, a.max_tokens)
     log_path = logs / f"scaleout-{_tag(model)}.log"
@@ -329,6 +333,7 @@ def bench_model(model: str, a: argparse.Namespace, logs: Path) -> dict:
         rubric_tokens = replicas.stats()[0]["prompt_tokens"] - before
         out["rubric_tokens"] = rubric_tokens
         out["regimes"]["ample"] = _regime(replicas, None, judge, chat, a, log_path)
+        save(out)
     finally:
         replicas.stop()
     if not a.no_tight:
@@ -338,6 +343,7 @@ def bench_model(model: str, a: argparse.Namespace, logs: Path) -> dict:
         replicas = Replicas(model, size, log_path)
         try:
             out["regimes"]["tight"] = _regime(replicas, size, judge, chat, a, log_path)
+            save(out)
         finally:
             replicas.stop()
     return out
@@ -409,6 +415,29 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _save(result: dict, a: argparse.Namespace, stem: Path) -> None:
+    result["workload"] = {
+        k: getattr(a, k)
+        for k in (
+            "rubrics",
+            "items",
+            "rubric_words",
+            "systems",
+            "conversations",
+            "turns",
+            "system_words",
+            "max_tokens",
+            "concurrency",
+        )
+    }
+    result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores"
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result["quick"] = a.quick
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(result) + "\n")
+    log(f"wrote {stem}.json/.md")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -444,27 +473,9 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     for model in a.model:
         log(f"model {model}")
-        result = bench_model(model, a, out_dir)
-        result["workload"] = {
-            k: getattr(a, k)
-            for k in (
-                "rubrics",
-                "items",
-                "rubric_words",
-                "systems",
-                "conversations",
-                "turns",
-                "system_words",
-                "max_tokens",
-                "concurrency",
-            )
-        }
-        result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores"
-        result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        result["quick"] = a.quick
         stem = out_dir / f"scaleout-{_tag(model)}{'-quick' if a.quick else ''}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(markdown(result) + "\n")
+        logs = Path(tempfile.gettempdir())  # the servers' and routers' output
+        result = bench_model(model, a, logs, lambda r, stem=stem: _save(r, a, stem))
         print(markdown(result))
     return 0
 
