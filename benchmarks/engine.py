@@ -206,10 +206,10 @@ def main(argv=None) -> None:
     ap.add_argument("--workloads", default="judge,decode")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     args = ap.parse_args(argv)
-    from plait.runtime.default_model import default_model_path
-    from plait.runtime.models import ModelConfig
+    from plait.models.embedded import ensure_checkpoint
+    from plait.models.config import ModelConfig
 
-    model = args.model or str(default_model_path())
+    model = args.model or str(ensure_checkpoint("plait-tiny"))
     vocab = ModelConfig.from_dir(model).vocab_size
     names = args.workloads.split(",")
     workloads = [getattr(wl, n)(vocab) for n in names]

@@ -9,7 +9,11 @@
    for the same constrained requests with jump-forward on and off, and whether the texts agree.
 3. compile time per schema: cold (first submit) and cached (second submit), GrammarManager on
    the extraction schema and on five dev schemas.
-4. the 200 JSONSchemaBench dev schemas through the Engine (greedy, --dev-tokens): share accepted,
+4. per-token cost of long-maxLength schemas (a signup form: nine strings of 1024-2048
+   characters; one field at 2048): seconds per output token constrained vs unconstrained
+   (same prompts, same lengths), and the unconstrained requests' per-token time when one
+   heavy-schema request shares their batch vs when it does not.
+5. the 200 JSONSchemaBench dev schemas through the Engine (greedy, --dev-tokens): share accepted,
    share of finished outputs that validate, refusals grouped by keyword.
 
 Writes benchmarks/results/grammar.json and grammar.md.
@@ -41,7 +45,7 @@ def extraction(model: str, backend: str, n: int = 32) -> dict:
 
     import plait
 
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     w = wl.json_constrained(ModelConfig.from_dir(model).vocab_size, n=n)
     schema = json.loads(w.json_schema)
@@ -95,7 +99,7 @@ def compile_times(model: str, backend: str, schemas: dict[str, str]) -> dict:
 
     from plait.grammar.base import GrammarError
     from plait.grammar.manager import GrammarManager
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model)
     tok = AutoTokenizer.from_pretrained(model)
@@ -117,6 +121,66 @@ def compile_times(model: str, backend: str, schemas: dict[str, str]) -> dict:
             out[name] = row
     finally:
         manager.shutdown()
+    return out
+
+
+SIGNUP_FIELDS = [("first_name", 1024), ("last_name", 1024), ("email", 2048), ("password", 2048),
+                 ("address", 2048), ("city", 1024), ("country", 1024), ("bio", 2048),
+                 ("website", 2048)]
+LONG_SCHEMAS = {
+    "signup (9 x maxLength 1024-2048)": {
+        "type": "object", "properties": {k: {"type": "string", "maxLength": n}
+                                         for k, n in SIGNUP_FIELDS},
+        "required": [k for k, _ in SIGNUP_FIELDS], "additionalProperties": False},
+    "one string maxLength 2048": {
+        "type": "object", "properties": {"text": {"type": "string", "maxLength": 2048}},
+        "required": ["text"], "additionalProperties": False},
+}
+
+
+def long_strings(model: str, backend: str, n: int = 8, max_tokens: int = 48) -> dict:
+    """Per-token cost of long-maxLength schemas against unconstrained requests."""
+    import plait
+
+    from plait.runtime.models import ModelConfig
+
+    prompts = wl.json_constrained(ModelConfig.from_dir(model).vocab_size, n=n).prompts
+    out: dict = {}
+    with plait.Engine(model, grammar_backend=backend) as eng:
+        for name, schema in LONG_SCHEMAS.items():
+            cons = {"max_new_tokens": max_tokens, "temperature": 0,
+                    "json_schema": json.dumps(schema)}
+            eng.generate(input_ids=prompts[:1], sampling_params=cons)  # compile + warm-up
+            eng.flush_cache()
+            t = time.perf_counter()
+            res = eng.generate(input_ids=prompts, sampling_params=cons)
+            csecs = time.perf_counter() - t
+            ctok = sum(r["meta_info"]["completion_tokens"] for r in res)
+            per = max(1, round(ctok / n))
+            free = {"max_new_tokens": per, "temperature": 0, "ignore_eos": True}
+            eng.flush_cache()
+            t = time.perf_counter()
+            ures = eng.generate(input_ids=prompts, sampling_params=free)
+            usecs = time.perf_counter() - t
+            utok = sum(r["meta_info"]["completion_tokens"] for r in ures)
+            # the same unconstrained requests with one heavy-schema request in their batch
+            eng.flush_cache()
+            t = time.perf_counter()
+            mixed = eng.generate(input_ids=prompts + prompts[:1],
+                                 sampling_params=[free] * n + [cons])
+            msecs = time.perf_counter() - t
+            mtok = sum(r["meta_info"]["completion_tokens"] for r in mixed)
+            row = {
+                "constrained_s_per_token": csecs / max(1, ctok),
+                "unconstrained_s_per_token": usecs / max(1, utok),
+                "mixed_s_per_token": msecs / max(1, mtok),
+                "constrained_tokens": ctok, "unconstrained_tokens": utok,
+            }
+            row["cost_ratio"] = row["constrained_s_per_token"] / row["unconstrained_s_per_token"]
+            row["mixed_ratio"] = row["mixed_s_per_token"] / row["unconstrained_s_per_token"]
+            out[name] = row
+            print(f"  {name}: constrained/unconstrained per-token cost {row['cost_ratio']:.2f}x, "
+                  f"batch with one heavy request {row['mixed_ratio']:.2f}x", flush=True)
     return out
 
 
@@ -211,6 +275,15 @@ def markdown(res: dict) -> str:
             cells.append("refused" if "refused" in c else
                          f"{c['cold_ms']:.1f} / {c.get('cached_ms', float('nan')):.3f}")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", "Long-maxLength schemas, seconds per output token (constrained / unconstrained; "
+              "a batch of unconstrained requests plus one heavy-schema request / without it):",
+              "", "| backend | schema | constrained ms/tok | unconstrained ms/tok | ratio | "
+              "mixed batch ratio |", "|---|---|---|---|---|---|"]
+    for b, r in res["backends"].items():
+        for name, row in r.get("long_strings", {}).items():
+            lines.append(f"| {b} | {name} | {row['constrained_s_per_token'] * 1e3:.1f} | "
+                         f"{row['unconstrained_s_per_token'] * 1e3:.1f} | "
+                         f"{row['cost_ratio']:.2f}x | {row['mixed_ratio']:.2f}x |")
     lines += ["", "200 JSONSchemaBench dev schemas:", "",
               "| backend | accepted | finished outputs valid | refusals by keyword |",
               "|---|---|---|---|"]
@@ -228,7 +301,7 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     import datetime as dt
 
-    from plait.runtime.default_model import ensure_checkpoint
+    from plait.models.embedded import ensure_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -237,16 +310,24 @@ def main(argv=None) -> int:
     ap.add_argument("--dev-tokens", type=int, default=48)
     ap.add_argument("--skip-dev", action="store_true")
     ap.add_argument("--n", type=int, default=32, help="extraction requests")
+    ap.add_argument("--only-long", action="store_true",
+                    help="only the long-maxLength per-token-cost check")
     args = ap.parse_args(argv)
     model = str(ensure_checkpoint(args.model)) if not Path(args.model).is_dir() else args.model
     schemas = {"extraction": json.dumps(wl.PERSON_SCHEMA, sort_keys=True)}
+    schemas.update({name: json.dumps(s) for name, s in LONG_SCHEMAS.items()})
     for f in sorted(DEV.glob("*/*.json"))[::40][:5]:
         schemas[f.relative_to(DEV).as_posix()] = f.read_text()
     res = {"model_name": args.model, "when": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
            "backends": {}}
     for backend in args.backends.split(","):
+        print(f"[{backend}] long-maxLength schemas: per-token cost", flush=True)
+        r = {"long_strings": long_strings(model, backend)}
+        if args.only_long:
+            res["backends"][backend] = r
+            continue
         print(f"[{backend}] extraction + jump-forward", flush=True)
-        r = {"extraction": extraction(model, backend, args.n)}
+        r["extraction"] = extraction(model, backend, args.n)
         print(f"[{backend}] compile times", flush=True)
         r["compile"] = compile_times(model, backend, schemas)
         if not args.skip_dev:
@@ -255,6 +336,9 @@ def main(argv=None) -> int:
         else:
             r["dev"] = {"error": "skipped"}
         res["backends"][backend] = r
+    if args.only_long:
+        print(json.dumps(res, indent=1))
+        return 0
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "grammar.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)

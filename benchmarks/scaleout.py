@@ -189,8 +189,7 @@ class Replicas:
             "--log-level",
             "warning",
         ]
-        if model != "plait-tiny":
-            cmd += ["--model", model]
+        cmd += ["--model", model]
         if max_total_tokens:
             cmd += ["--max-total-tokens", str(max_total_tokens)]
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()

@@ -6,7 +6,7 @@
     def qa(s, question):
         s += pl.user(question) + pl.assistant(pl.gen("answer", max_tokens=32))
 
-    pl.set_default_backend(pl.EngineBackend())   # the embedded default model, in-process
+    pl.set_default_backend(pl.EngineBackend())   # the default model (SmolLM2), in-process
     print(qa.run(question="Why is the sky blue?")["answer"])
 
 The language (`plait.lang`: function, gen, select, roles, the backends, ...) and the serving

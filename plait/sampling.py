@@ -13,8 +13,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.errors import RequestError
+
 # Kinds of output constraint; at most one per request.
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices", "json_object")
+
+# Bounds (documented in the README). A value outside them is a RequestError naming the field.
+MAX_INT = 2**31 - 1  # token counts, top_k, token ids before the vocabulary check
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; seed + i for n > 1 stays below
+MAX_TEMPERATURE = 100.0  # past this the distribution is uniform to float precision
+GREEDY_TEMPERATURE = 1e-5  # below this (but > 0) sampling is greedy, as in SGLang
+MIN_REPETITION_PENALTY = 0.01  # logits / penalty must stay finite
+MAX_N = 128
+MAX_STOP = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_CHOICES = 4096
+MAX_SPEC_CHARS = 1 << 20  # regex / ebnf / json_schema text
 
 
 @dataclass
@@ -52,53 +67,79 @@ class SamplingParams:
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             self.json_schema = schema_to_json(self.json_schema)
         self.validate()
+        if 0.0 < self.temperature < GREEDY_TEMPERATURE:
+            # dividing logits by a tiny temperature overflows; the intent is greedy
+            self.temperature = 0.0
 
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, minimum=0)
-        _check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+        """Every field typed and bounded (RequestError naming it): a value that passes cannot
+        make the sampler produce NaN or inf, nor a response or a loop without bound."""
+        _check_int("max_new_tokens", self.max_new_tokens, 0, MAX_INT)
+        _check_int("min_new_tokens", self.min_new_tokens, 0, MAX_INT)
         if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
-                f"({self.max_new_tokens})"
+            raise RequestError(
+                "min_new_tokens",
+                f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
             )
-        _check_float("temperature", self.temperature, lo=0.0)
-        _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
-        _check_int("top_k", self.top_k, minimum=-1)
-        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
-        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True, hi=2.0)
-        _check_int("n", self.n, minimum=1, maximum=128)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, -1, MAX_INT)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 2.0)
+        _check_int("n", self.n, 1, MAX_N)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
+            _check_int("seed", self.seed, 0, MAX_SEED - self.n)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError("stop: must be a string or a list of strings")
-        if any(s == "" for s in self.stop):
-            raise ValueError("stop: empty stop strings are not allowed")
+            raise RequestError("stop", "must be a string or a list of strings")
+        if len(self.stop) > MAX_STOP:
+            raise RequestError("stop", f"at most {MAX_STOP} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise RequestError(
+                    "stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters"
+                )
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            _is_int(t) and 0 <= t <= MAX_INT for t in self.stop_token_ids
         ):
-            raise ValueError("stop_token_ids: must be a list of non-negative integers")
+            raise RequestError("stop_token_ids", "must be a list of non-negative token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_object"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be a boolean")
-        for name in ("regex", "ebnf"):
+                raise RequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
+        for name in ("regex", "ebnf", "json_schema"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name}: must be a non-empty string")
+                raise RequestError(name, "must be a non-empty string")
+            if value is not None and len(value) > MAX_SPEC_CHARS:
+                raise RequestError(name, f"longer than {MAX_SPEC_CHARS} characters")
         if self.choices is not None:
             if (
                 not isinstance(self.choices, list)
                 or not self.choices
                 or not all(isinstance(c, str) and c for c in self.choices)
             ):
-                raise ValueError("choices: must be a non-empty list of non-empty strings")
+                raise RequestError("choices", "must be a non-empty list of non-empty strings")
+            if len(self.choices) > MAX_CHOICES or sum(map(len, self.choices)) > MAX_SPEC_CHARS:
+                raise RequestError(
+                    "choices", f"at most {MAX_CHOICES} choices of {MAX_SPEC_CHARS} characters"
+                )
         given = [name for name in CONSTRAINT_FIELDS if self._constraint_value(name)]
         if len(given) > 1:
-            raise ValueError(
-                f"{given[1]}: only one constraint per request is allowed, got {', '.join(given)}"
+            raise RequestError(
+                given[1], f"only one constraint per request is allowed, got {', '.join(given)}"
             )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the parameters exist in the model's vocabulary."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise RequestError(
+                    "stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})"
+                )
 
     def _constraint_value(self, name: str) -> Any:
         value = getattr(self, name)
@@ -135,14 +176,17 @@ class SamplingParams:
     # ----------------------------------------------------------------- conversion
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Build from a SGLang-style dict; an unknown key is a ValueError naming it."""
+        """Build from a SGLang-style dict; an unknown key is a RequestError naming it."""
+        if d is not None and not isinstance(d, dict):
+            kind = type(d).__name__
+            raise RequestError(None, f"sampling parameters must be an object, got {kind}")
         d = dict(d or {})
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - known, key=str)
         if unknown:
-            raise ValueError(
-                f"sampling_params.{unknown[0]}: unknown sampling parameter "
-                f"(known: {', '.join(sorted(known))})"
+            raise RequestError(
+                str(unknown[0]),
+                f"unknown sampling parameter (known: {', '.join(sorted(known))})",
             )
         if "max_new_tokens" in d and d["max_new_tokens"] is None:
             del d["max_new_tokens"]
@@ -160,37 +204,48 @@ def schema_to_json(schema: Any) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json_schema: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise RequestError("json_schema", f"not valid JSON ({e})") from None
     elif isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
     if not isinstance(schema, (dict, bool)):
-        raise ValueError("json_schema: must be a JSON object, a JSON string or a Pydantic model")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        raise RequestError(
+            "json_schema", "must be a JSON object, a JSON string or a Pydantic model"
+        )
+    try:
+        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise RequestError("json_schema", f"not serializable as JSON ({e})") from None
 
 
-def _check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None):
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            raise ValueError(f"{name}: must be an integer, got {value!r}")
-        raise ValueError(f"{name}: must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name}: must be <= {maximum}, got {value}")
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int) -> None:
+    if not _is_int(value):
+        raise RequestError(name, f"must be an integer, got {_short(value)}")
+    if not minimum <= value <= maximum:
+        raise RequestError(name, f"must be in [{minimum}, {maximum}], got {_short(value)}")
 
 
 def _check_float(
-    name: str,
-    value: Any,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
+    name: str, value: Any, lo: float, hi: float, lo_open: bool = False
 ) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name}: must be a number, got {value!r}")
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        bound = f"> {lo}" if lo_open else f">= {lo}"
-        raise ValueError(f"{name}: must be {bound}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name}: must be <= {hi}, got {value}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(name, f"must be a number, got {_short(value)}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        raise RequestError(name, f"must be a finite number, got {_short(value)}")
+    if value < lo or (lo_open and value == lo) or value > hi:
+        low = "(" if lo_open else "["
+        raise RequestError(name, f"must be in {low}{lo}, {hi}], got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    """repr of a value, cut short (a hostile value can be megabytes long)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
+    return text if len(text) <= 64 else text[:61] + "..."

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def checkpoint():
     """checkpoint(name) -> path of a tiny test checkpoint (built on first use)."""
-    from plait.runtime.default_model import ensure_checkpoint
+    from plait.models.embedded import ensure_checkpoint
 
     return lambda name="tiny-llama": str(ensure_checkpoint(name))
 

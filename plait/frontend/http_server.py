@@ -3,8 +3,9 @@
     plait serve --model PATH --port 30000        # == launch_server(ServerArgs(...))
 
 The app's state (TokenizerManager, args, metrics, runtime processes) lives on `app.state`.
-A pure-ASGI gate in front of every route checks the API key, answers 503 until the
-TokenizerManager runs, and counts responses by status. Every error, native or OpenAI, has
+A pure-ASGI gate in front of every route checks the API key (--api-key, --api-key-file)
+and the declared body size (413), answers 503 until the TokenizerManager runs, and counts
+responses by status. Every error, native or OpenAI, has
 OpenAI's body {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -26,11 +27,19 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.args import ServerArgs
+from plait.errors import RequestError
 from plait.frontend import native_api, openai_api, router_compat
+from plait.frontend.http_common import (
+    SCOPE_KEY,
+    Admission,
+    ClientGone,
+    error_body,
+    load_keys,
+    until_disconnect,
+)
 from plait.frontend.metrics import CONTENT_TYPE, Metrics
-from plait.frontend.native_api import ClientGone, error_body, until_disconnect
-from plait.frontend.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
-from plait.sampling import SamplingParams
+from plait.frontend.tokenizer_manager import TokenizerManager
+from plait.io_struct import GenerateInput
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +60,11 @@ def create_app(
     """The server's app. `runtime` (RuntimeProcesses) is shut down with the app when given;
     the TokenizerManager is started and closed by the app's lifespan."""
     app = FastAPI(
-        title="plait", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="plait",
+        lifespan=_lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
     )
     state = app.state
     state.tokenizer_manager = tokenizer_manager
@@ -68,6 +81,11 @@ def create_app(
         )
     )
     state.metrics = Metrics(args.model_name)
+    state.admission = Admission(
+        args.max_running_requests, args.max_queued_requests, args.queue_reserve_fraction
+    )
+    keys = load_keys(args.api_key, args.api_key_file)
+    state.key_policies = {p.name: p for p in keys.values()}
 
     routers = [native_api.router, openai_api.router, router_compat.router]
     for router in routers:
@@ -81,7 +99,10 @@ def create_app(
     routes |= {"/health", "/health_generate", "/metrics"}
     # sglang-router's extra request fields (router_compat); inside the Gate, so after auth
     app.add_middleware(router_compat.RouterFields)
-    app.add_middleware(Gate, api_key=args.api_key, routes=routes)
+    app.add_middleware(Gate, keys=keys, routes=routes, max_body=args.max_request_bytes)
+    from plait.frontend.openapi import install_openapi
+
+    install_openapi(app)
     return app
 
 
@@ -91,6 +112,7 @@ async def _lifespan(app: FastAPI):
     tm: TokenizerManager = state.tokenizer_manager
     await tm.start()
     tm.listeners.append(state.metrics.on_finish)
+    tm.listeners.append(lambda st: _charge_tokens(state, st))
     state.ready = True
     try:
         yield
@@ -101,15 +123,27 @@ async def _lifespan(app: FastAPI):
             await asyncio.to_thread(state.runtime.shutdown)
 
 
+def _charge_tokens(state, st) -> None:
+    """A finished request's tokens go to its API key's tokens-per-minute bucket."""
+    policy = state.key_policies.get(st.key) if st.key else None
+    if policy is not None:
+        meta = st.meta
+        policy.charge_tokens(
+            meta.get("prompt_tokens", st.prompt_tokens)
+            + meta.get("completion_tokens", len(st.output_ids))
+        )
+
+
 # ---------------------------------------------------------------------- gate (pure ASGI)
 class Gate:
-    """API key, readiness and per-status counting for every request. Pure ASGI rather than
-    BaseHTTPMiddleware, which would buffer streams and hide client disconnects."""
+    """API key, body size, readiness and per-status counting for every request. Pure ASGI
+    rather than BaseHTTPMiddleware, which would buffer streams and hide client disconnects."""
 
-    def __init__(self, app, api_key: str | None, routes: set[str]) -> None:
+    def __init__(self, app, keys: dict, routes: set[str], max_body: int) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.keys = keys  # key bytes -> KeyPolicy; empty: no authentication
         self.routes = routes
+        self.max_body = max_body
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -126,28 +160,54 @@ class Gate:
             await send(message)
 
         try:
-            if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+            policy = self._policy(scope) if self.keys and path not in OPEN_PATHS else None
+            if self.keys and path not in OPEN_PATHS and policy is None:
                 await _send_error(
                     send_counted,
                     RequestError(
-                        "invalid or missing API key: send 'Authorization: Bearer <key>'", 401
+                        None, "invalid or missing API key: send 'Authorization: Bearer <key>'", 401
+                    ),
+                )
+            elif self._declared_size(scope) > self.max_body:
+                await _send_error(
+                    send_counted,
+                    RequestError(
+                        "body", f"larger than {self.max_body} bytes (--max-request-bytes)", 413
                     ),
                 )
             elif not state.ready:
-                await _send_error(send_counted, RequestError("server is not ready", 503))
+                await _send_error(send_counted, RequestError(None, "server is not ready", 503))
             else:
+                if policy is not None:
+                    scope[SCOPE_KEY] = policy
                 await self.app(scope, receive, send_counted)
         finally:
             state.metrics.observe_http(scope["method"], label, status)
 
-    def _authorized(self, scope) -> bool:
+    def _policy(self, scope):
+        """The caller's KeyPolicy, or None. Every key is compared in constant time."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    token.strip(), self.api_key
-                )
-        return False
+                if scheme.lower() != b"bearer":
+                    return None
+                token = token.strip()
+                found = None
+                for key, policy in self.keys.items():
+                    if hmac.compare_digest(token, key):
+                        found = policy
+                return found
+        return None
+
+    @staticmethod
+    def _declared_size(scope) -> int:
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return 0
+        return 0
 
 
 async def _send_error(send, e: RequestError) -> None:
@@ -163,9 +223,9 @@ async def _send_error(send, e: RequestError) -> None:
 
 
 def error_response(e: RequestError) -> JSONResponse:
-    headers = {}
+    headers = dict(e.headers)
     if e.status == 429:
-        headers["Retry-After"] = "1"
+        headers.setdefault("Retry-After", "1")
     elif e.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(error_body(e), status_code=e.status, headers=headers)
@@ -186,17 +246,17 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, e: RequestValidationError) -> Response:
         err = e.errors()[0] if e.errors() else {"loc": ["body"], "msg": "invalid request"}
         param = ".".join(str(p) for p in err["loc"][1:]) or "body"
-        return error_response(RequestError(f"{param}: {err['msg']}", 400, param))
+        return error_response(RequestError(param, err["msg"]))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         message = f"{request.method} {request.url.path}: {e.detail}"
-        return error_response(RequestError(message, e.status_code))
+        return error_response(RequestError(None, message, e.status_code))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> Response:
         logger.exception("%s %s failed", request.method, request.url.path)
-        return error_response(RequestError(f"internal error: {type(e).__name__}: {e}", 500))
+        return error_response(RequestError(None, f"internal error: {type(e).__name__}: {e}", 500))
 
 
 # ---------------------------------------------------------------------- health and metrics
@@ -208,7 +268,7 @@ async def health(request: Request) -> Response:
         await tm.get_stats(timeout=HEALTH_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise RequestError(
-            f"unhealthy: the scheduler did not answer within {HEALTH_TIMEOUT_S} s", 503
+            None, f"unhealthy: the scheduler did not answer within {HEALTH_TIMEOUT_S} s", 503
         ) from None
     return JSONResponse({"status": "ok"})
 
@@ -218,14 +278,15 @@ async def health_generate(request: Request) -> Response:
     tm: TokenizerManager = request.app.state.tokenizer_manager
     inp = GenerateInput(
         input_ids=[tm.tokenizer.bos_token_id or 0],
-        sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
-    )
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+    ).normalize(tm.limits).reqs[0]
     try:
         await until_disconnect(
             request, asyncio.wait_for(tm.generate_one(inp), HEALTH_GENERATE_TIMEOUT_S)
         )
     except asyncio.TimeoutError:
         raise RequestError(
+            None,
             f"unhealthy: a one-token generation did not finish in {HEALTH_GENERATE_TIMEOUT_S} s",
             503,
         ) from None
@@ -269,7 +330,7 @@ def fail_in_flight(app: FastAPI, reason: str) -> None:
     tm: TokenizerManager = app.state.tokenizer_manager
     for state in list(tm.states.values()):
         if state.finished_reason is None and state.error is None:
-            state.error = RequestError(reason, 503)
+            state.error = RequestError(None, reason, 503)
             state.event.set()
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.args import ServerArgs
-from plait.runtime.models import resolve_model_path
+from plait.models.resolve import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,11 @@ class ChildProcess:
         self.name = name
         read_fd, write_fd = os.pipe()
         cmd = [sys.executable, "-m", "plait.frontend.child", role, json.dumps(config), str(write_fd)]
-        self.popen = subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=False)
+        # bounded OpenMP spinning in the children: plait/runtime/cpu_tuning.py says why
+        from plait.runtime.cpu_tuning import child_env
+
+        self.popen = subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=False,
+                                      env=child_env())
         os.close(write_fd)
         self.ready_fd = read_fd
 

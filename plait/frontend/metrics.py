@@ -19,7 +19,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from plait.frontend.tokenizer_manager import ReqState, TokenizerManager
+from plait.frontend.tokenizer_manager import TokenizerManager
+from plait.io_struct import ReqState
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,20 @@ class Metrics:
             "plait_requests_finished",
             "generation requests finished, by finish reason",
             ["finish_reason"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "plait_rate_limited_requests",
+            "requests refused by an API key's rate limit (key: its name or a hash, never the "
+            "key; limit: rpm or tpm)",
+            ["key", "limit"],
+            registry=r,
+        )
+        self.admissions = Counter(
+            "plait_admission_requests",
+            "generation requests by priority tier (interactive > 0, default 0, batch < 0) and "
+            "whether admission took them or refused them (queue full)",
+            ["tier", "outcome"],
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -116,6 +131,12 @@ class Metrics:
         n = len(state.output_ids)
         if n > 1:
             self.tpot.observe((time.monotonic() - state.first_token_time) / (n - 1))
+
+    def observe_rate_limited(self, key: str, limit: str) -> None:
+        self.rate_limited.labels(key=key, limit=limit).inc()
+
+    def observe_admission(self, tier: str, admitted: bool) -> None:
+        self.admissions.labels(tier=tier, outcome="admitted" if admitted else "refused").inc()
 
     def observe_http(self, method: str, path: str, status: int) -> None:
         self.http_requests.labels(method=method, path=path, status=str(status)).inc()

@@ -1,13 +1,15 @@
 """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
 
 Request bodies are pydantic models with extra="forbid" (an unknown field is a 400 naming it);
-each request becomes GenerateInputs (prompts x n) run through the same plumbing as /generate.
+each request becomes a GenerateInput, normalized like a /generate body (prompts x n outputs),
+and runs through the same plumbing (http_common).
 Beyond OpenAI's fields, the constraint fields regex / ebnf / json_schema / choices and a few
 SGLang sampling fields (top_k, min_p, ...) are accepted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -15,16 +17,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from plait.frontend.engine import expand_n
-from plait.frontend.native_api import (
+from plait.errors import RequestError
+from plait.frontend.http_common import (
     SSE_DONE,
+    TicketedStream,
     TokenTexts,
     admit,
     first_then_rest,
     read_json,
+    request_priority,
     run_all,
     run_streams,
     sse,
@@ -32,7 +36,7 @@ from plait.frontend.native_api import (
     tokenizer_manager,
     until_disconnect,
 )
-from plait.frontend.tokenizer_manager import GenerateInput, ReqState, RequestError
+from plait.io_struct import GenerateInput, ReqInput, ReqState
 from plait.sampling import SamplingParams
 
 router = APIRouter(prefix="/v1")
@@ -48,7 +52,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(_Body):
@@ -56,7 +60,7 @@ class JsonSchemaFormat(_Body):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Body):
@@ -76,19 +80,20 @@ class _Sampling(_Body):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: int | None = None  # plait: higher is served sooner (default: the API key's)
     logit_bias: dict[str, float] | None = None
     # SGLang / vLLM extras
     top_k: int | None = None
     min_p: float | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
+    ignore_eos: StrictBool | None = None
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
+    skip_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None
     # constraints (plait.grammar)
     regex: str | None = None
     ebnf: str | None = None
@@ -100,7 +105,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -120,7 +125,7 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
@@ -131,23 +136,21 @@ def parse_body(cls: type[BaseModel], data: dict[str, Any]) -> Any:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise RequestError(*_validation_message(e)) from None
+        raise _validation_error(e) from None
+    except RecursionError:
+        raise RequestError("body", "nested too deeply") from None
 
 
-def _validation_message(e: ValidationError) -> tuple[str, int, str | None]:
+def _validation_error(e: ValidationError) -> RequestError:
     errors = e.errors()
     unknown = [".".join(map(str, err["loc"])) for err in errors if err["type"] == "extra_forbidden"]
     if unknown:
-        return (
-            f"{', '.join(unknown)}: unknown field{'s' if len(unknown) > 1 else ''}",
-            400,
-            unknown[0],
-        )
+        return RequestError(unknown[0], f"unknown field{'s' if len(unknown) > 1 else ''}"
+                            + (f" (also {', '.join(unknown[1:])})" if len(unknown) > 1 else ""))
     err = errors[0]
     # drop pydantic's union-branch names ('str', 'list[int]') from the location
     loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPES))]
-    param = ".".join(loc) or "body"
-    return f"{param}: {err['msg']}", 400, param
+    return RequestError(".".join(loc) or "body", err["msg"])
 
 
 _TYPES = {"str", "int", "float", "bool", "dict", "list", "function-after", "literal"}
@@ -158,7 +161,7 @@ def check_model(request: Request, model: str | None) -> None:
     names = request.app.state.model_names
     if model is not None and model not in names:
         raise RequestError(
-            f"model: the model '{model}' does not exist (served: {names[0]})", 404, "model"
+            "model", f"the model '{model}' does not exist (served: {names[0]})", 404
         )
 
 
@@ -166,7 +169,7 @@ def sampling_params(
     req: _Sampling, max_tokens: int | None, constraint: dict[str, Any]
 ) -> SamplingParams:
     if req.logit_bias:
-        raise RequestError("logit_bias: not supported by plait", 400, "logit_bias")
+        raise RequestError("logit_bias", "not supported by plait")
     d: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "min_new_tokens": req.min_tokens,
@@ -192,18 +195,19 @@ def sampling_params(
     }
     try:
         return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
-    except (TypeError, ValueError) as e:
-        raise openai_error(RequestError(str(e), 400, str(e).split(":")[0])) from None
+    except RequestError as e:
+        raise openai_error(e, "response_format" if constraint else None) from None
 
 
-def openai_error(e: RequestError) -> RequestError:
-    """Names SamplingParams' fields as the OpenAI request does (max_new_tokens -> max_tokens)."""
-    message, param = str(e), e.param
-    for ours, theirs in OPENAI_NAMES.items():
-        if param == ours or message.startswith(ours + ":"):
-            message = theirs + message[len(ours) :] if message.startswith(ours) else message
-            param = theirs
-    return RequestError(message, e.status, param)
+def openai_error(e: RequestError, constraint_field: str | None = None) -> RequestError:
+    """Names SamplingParams' fields as the OpenAI request does (max_new_tokens -> max_tokens;
+    a constraint given as response_format -> response_format)."""
+    field = e.field
+    if field in OPENAI_NAMES:
+        return e.renamed(OPENAI_NAMES[field])
+    if constraint_field and field in ("json_schema", "json_object"):
+        return e.renamed(constraint_field)
+    return e
 
 
 def response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any]:
@@ -212,19 +216,13 @@ def response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any]:
     if fmt.type == "json_object":
         return {"json_object": True}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise RequestError(
-            "response_format.json_schema.schema: required for type json_schema",
-            400,
-            "response_format.json_schema.schema",
-        )
+        raise RequestError("response_format.json_schema.schema", "required for type json_schema")
     return {"json_schema": fmt.json_schema.schema_}
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise RequestError(
-            "messages: the model has no chat template; use /v1/completions", 400, "messages"
-        )
+        raise RequestError("messages", "the model has no chat template; use /v1/completions")
     conversation = []
     for m in messages:
         content = m.content
@@ -237,47 +235,51 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
             conversation, tokenize=False, add_generation_prompt=True
         )
     except Exception as e:  # jinja raises for conversations the template refuses
-        raise RequestError(f"messages: the chat template failed: {e}", 400, "messages") from None
+        raise RequestError("messages", f"the chat template failed: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def expand(
+def normalize(
+    request: Request,
     prompts: list[dict[str, Any]],
     sp: SamplingParams,
-    stream: bool,
+    req: _Sampling,
     top_logprobs: int | None,
     return_logprob: bool,
-) -> list[GenerateInput]:
-    """prompt i, sample j -> choice index i * n + j."""
-    return [
-        GenerateInput(
-            **prompt,
-            sampling_params=sub,
-            stream=stream,
-            return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs or 0,
-        )
-        for prompt in prompts
-        for sub in expand_n(sp)
-    ]
-
-
-async def run(request: Request, inputs: list[GenerateInput]) -> list[ReqState]:
-    tm = tokenizer_manager(request)
-    admit(tm, len(inputs))
+) -> list[ReqInput]:
+    """The OpenAI request as a GenerateInput, normalized: prompt i, sample j -> choice
+    index i * n + j."""
+    key = "text" if "text" in prompts[0] else "input_ids"
+    values = [p[key] for p in prompts]
+    inp = GenerateInput(
+        **{key: values if len(values) > 1 else values[0]},
+        sampling_params=sp,
+        stream=req.stream,
+        return_logprob=return_logprob,
+        top_logprobs_num=top_logprobs,
+        priority=request_priority(request, req.priority),
+    )
     try:
-        return await until_disconnect(request, run_all(tm, inputs))
+        reqs = inp.normalize(tokenizer_manager(request).limits).reqs
     except RequestError as e:
-        raise openai_error(e) from None
+        raise _prompt_error(e) from None
+    return reqs
 
 
-async def open_stream(request: Request, inputs: list[GenerateInput]):
+def _prompt_error(e: RequestError) -> RequestError:
+    """normalize names a batch's prompts text.i / input_ids.i; OpenAI's field is `prompt`."""
+    if e.field and e.field.split(".")[0] in ("text", "input_ids"):
+        return e.renamed("prompt" + e.field[len(e.field.split(".")[0]) :])
+    return openai_error(e)
+
+
+async def run(request: Request, reqs: list[ReqInput], constraint_field: str | None = None):
     tm = tokenizer_manager(request)
-    admit(tm, len(inputs))
-    try:
-        return await first_then_rest(request, run_streams(tm, inputs))
-    except RequestError as e:
-        raise openai_error(e) from None
+    with admit(request, reqs):
+        try:
+            return await until_disconnect(request, run_all(tm, reqs))
+        except RequestError as e:
+            raise openai_error(e, constraint_field) from None
 
 
 def finish_reason(state: ReqState) -> str | None:
@@ -378,16 +380,16 @@ async def completions(request: Request) -> Response:
     req: CompletionRequest = parse_body(CompletionRequest, await read_json(request))
     check_model(request, req.model)
     if req.best_of not in (None, 1):
-        raise RequestError("best_of: only 1 is supported", 400, "best_of")
+        raise RequestError("best_of", "only 1 is supported")
     if req.suffix:
-        raise RequestError("suffix: not supported by plait", 400, "suffix")
+        raise RequestError("suffix", "not supported by plait")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}]", 400, "logprobs")
+        raise RequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
     if req.echo and req.stream:
-        raise RequestError("echo: not supported with stream", 400, "echo")
+        raise RequestError("echo", "not supported with stream")
     prompts = _completion_prompts(req.prompt)
     sp = sampling_params(req, req.max_tokens, {})
-    inputs = expand(prompts, sp, req.stream, req.logprobs, req.logprobs is not None)
+    inputs = normalize(request, prompts, sp, req, req.logprobs, req.logprobs is not None)
     tm = tokenizer_manager(request)
     texts = TokenTexts(tm.tokenizer)
     head = {
@@ -425,7 +427,7 @@ def _completion_prompts(prompt: Any) -> list[dict[str, Any]]:
     if isinstance(prompt, str):
         return [{"text": prompt}]
     if not prompt:
-        raise RequestError("prompt: must not be empty", 400, "prompt")
+        raise RequestError("prompt", "must not be empty")
     if isinstance(prompt[0], int):
         return [{"input_ids": prompt}]
     if isinstance(prompt[0], str):
@@ -442,23 +444,31 @@ async def chat_completions(request: Request) -> Response:
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_json(request))
     check_model(request, req.model)
     if req.tools:
-        raise RequestError("tools: tool calling is not supported by plait", 400, "tools")
+        raise RequestError("tools", "tool calling is not supported by plait")
     if req.top_logprobs is not None:
         if not req.logprobs:
-            raise RequestError("top_logprobs: requires logprobs to be true", 400, "top_logprobs")
+            raise RequestError("top_logprobs", "requires logprobs to be true")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(
-                f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]", 400, "top_logprobs"
-            )
+            raise RequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
     tm = tokenizer_manager(request)
-    ids = chat_prompt_ids(tm.tokenizer, req.messages)
+    chars = sum(len(m.content or "") if isinstance(m.content, str) else
+                sum(len(p.text) for p in m.content or []) for m in req.messages)
+    if chars > tm.limits.max_prompt_chars:
+        raise RequestError(
+            "messages", f"{chars} characters, over the limit of {tm.limits.max_prompt_chars} "
+            "(--max-prompt-chars; by default derived from the context length)",
+        )
+    # rendering and tokenizing a long conversation takes a while: off the event loop
+    ids = await asyncio.to_thread(chat_prompt_ids, tm.tokenizer, req.messages)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     if max_tokens is None:  # as much as the context leaves
         max_tokens = max(0, tm.context_length - len(ids))
     sp = sampling_params(req, max_tokens, response_format_constraint(req.response_format))
-    inputs = expand([{"input_ids": ids}], sp, req.stream, req.top_logprobs, req.logprobs)
+    fmt = req.response_format
+    constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None
+    inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs)
     texts = TokenTexts(tm.tokenizer)
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -475,8 +485,9 @@ async def chat_completions(request: Request) -> Response:
             _chat_chunks(req, texts),
             first_chunks=roles,
             usage_n=req.n if _include_usage(req) else None,
+            constraint_field=constraint_field,
         )
-    states = await run(request, inputs)
+    states = await run(request, inputs, constraint_field)
     choices = [
         {
             "index": i,
@@ -509,39 +520,47 @@ class Delta:
 
 async def stream_response(
     request: Request,
-    inputs: list[GenerateInput],
+    inputs: list[ReqInput],
     head: dict[str, Any],
     render: Callable[[Delta], list[dict]],
     first_chunks: list[dict] | None = None,
     usage_n: int | None = None,
+    constraint_field: str | None = None,
 ) -> Response:
     """SSE response of OpenAI chunks: `render` turns each Delta into chunk bodies (without
     the shared `head` fields); with usage_n (= n) a last chunk carries the usage."""
-    first, rest = await open_stream(request, inputs)
-    metrics = request.app.state.metrics
-    usage_field = {"usage": None} if usage_n is not None else {}
-
-    async def events() -> AsyncIterator[bytes]:
-        finals: dict[int, ReqState] = {}
+    tm = tokenizer_manager(request)
+    with admit(request, inputs) as ticket:
         try:
-            for body in first_chunks or []:
-                yield sse({**head, **body, **usage_field})
-            async for delta in _deltas(first, rest, len(inputs)):
-                for body in render(delta):
-                    yield sse({**head, **body, **usage_field})
-                if delta.state.finished_reason is not None:
-                    finals[delta.index] = delta.state
-                    metrics.observe_stream(delta.state)
-            if usage_n is not None:
-                states = [finals[i] for i in sorted(finals)]
-                yield sse({**head, "choices": [], "usage": usage(states, usage_n)})
-        except Exception as e:
-            yield stream_error(openai_error(e) if isinstance(e, RequestError) else e)
-        finally:
-            await rest.aclose()
-        yield SSE_DONE
+            first, rest = await first_then_rest(request, run_streams(tm, inputs))
+        except RequestError as e:
+            raise openai_error(e, constraint_field) from None
+        metrics = request.app.state.metrics
+        usage_field = {"usage": None} if usage_n is not None else {}
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+        async def events() -> AsyncIterator[bytes]:
+            finals: dict[int, ReqState] = {}
+            try:
+                for body in first_chunks or []:
+                    yield sse({**head, **body, **usage_field})
+                async for delta in _deltas(first, rest, len(inputs)):
+                    for body in render(delta):
+                        yield sse({**head, **body, **usage_field})
+                    if delta.state.finished_reason is not None:
+                        finals[delta.index] = delta.state
+                        metrics.observe_stream(delta.state)
+                if usage_n is not None:
+                    states = [finals[i] for i in sorted(finals)]
+                    yield sse({**head, "choices": [], "usage": usage(states, usage_n)})
+            except Exception as e:
+                if isinstance(e, RequestError):
+                    e = openai_error(e, constraint_field)
+                yield stream_error(e)
+            finally:
+                await rest.aclose()
+            yield SSE_DONE
+
+        return TicketedStream(events(), ticket)
 
 
 async def _deltas(first, rest, num_choices: int) -> AsyncIterator[Delta]:

@@ -28,7 +28,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from plait.frontend.tokenizer_manager import RequestError, TokenizerManager
+from plait.errors import RequestError
+from plait.frontend.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
 
@@ -76,9 +77,7 @@ def strip_router_fields(path: str, body: dict[str, Any], model_names: list[str])
             if not any(value is v for v in fields[name]):
                 allowed = " or ".join(json.dumps(v) for v in fields[name])
                 raise RequestError(
-                    f"{name}: plait accepts only {allowed} here, got {json.dumps(value)}",
-                    400,
-                    name,
+                    name, f"plait accepts only {allowed} here, got {json.dumps(value)}"
                 )
             continue
         out[name] = value
@@ -93,7 +92,7 @@ def _drop_model(path: str, model: Any, model_names: list[str]) -> bool:
         if model is None or model in model_names:
             return True
         raise RequestError(
-            f"model: the model '{model}' does not exist (served: {model_names[0]})", 404, "model"
+            "model", f"the model '{model}' does not exist (served: {model_names[0]})", 404
         )
     return model == ROUTER_UNKNOWN_MODEL and model not in model_names
 
@@ -151,7 +150,7 @@ def _replay(messages: list[dict], receive):
 
 
 def _error_body(e: RequestError) -> dict[str, Any]:
-    from plait.frontend.native_api import error_body
+    from plait.frontend.http_common import error_body
 
     return error_body(e)
 

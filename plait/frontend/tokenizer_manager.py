@@ -1,25 +1,30 @@
 """TokenizerManager: the frontend half of the runtime (asyncio).
 
-Tokenizes and validates requests, sends them to the scheduler, receives text from the
-detokenizer and hands each request's output to its waiting coroutine. Used by both the HTTP
-server and the offline Engine. A dead child process fails every request in flight (503).
+Tokenizes requests (on a worker thread: a long prompt must not stall the event loop), makes
+the checks that need the token ids (prompt length against the context, logprob volume),
+sends them to the scheduler, receives text from the detokenizer and hands each request's
+output to its waiting coroutine. Used by both the HTTP server and the offline Engine. A dead
+child process fails every request in flight (503); a request past --request-timeout is
+aborted (504). Field-level validation happened before, in `GenerateInput.normalize()`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from plait.args import ServerArgs
+from plait.errors import RequestError
+from plait.io_struct import InputLimits, ReqInput, ReqState
 from plait.messages import (
     AbortReq,
     AsyncMessageReceiver,
@@ -32,50 +37,14 @@ from plait.messages import (
     StatsOut,
     TokenizedGenerateReq,
 )
-from plait.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class RequestError(Exception):
-    """A request that the runtime refused or could not serve; status is the HTTP code."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-
-
-@dataclass
-class ReqState:
-    rid: str
-    prompt_tokens: int
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finished_reason: dict | None = None
-    error: RequestError | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    output_token_logprobs: list = field(default_factory=list)
-    output_top_logprobs: list = field(default_factory=list)
-    input_token_logprobs: list | None = None
-    input_top_logprobs: list | None = None
-    created: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-
-
-@dataclass
-class GenerateInput:
-    """One prompt's request, already normalized (text or ids, sampling params as a dict)."""
-
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] | SamplingParams | None = None
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
-    top_logprobs_num: int = 0
-    stream: bool = False
-    rid: str | None = None
+# Prompts shorter than this are tokenized on the loop (a thread hop costs more than them).
+INLINE_TOKENIZE_CHARS = 4096
+# A token rarely spans more characters than this: a text prompt longer than context x this
+# cannot fit and is refused before it costs a tokenization (--max-prompt-chars overrides).
+CHARS_PER_TOKEN_BOUND = 32
 
 
 class TokenizerManager:
@@ -110,74 +79,89 @@ class TokenizerManager:
         self.receiver.close()
 
     # ------------------------------------------------------------------ generation
-    def tokenize(self, inp: GenerateInput) -> list[int]:
-        if inp.input_ids is not None:
-            ids = list(inp.input_ids)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise RequestError("input_ids: must be a list of integers", 400, "input_ids")
-        elif inp.text is not None:
-            if not isinstance(inp.text, str):
-                raise RequestError("text: must be a string", 400, "text")
-            ids = self.tokenizer.encode(inp.text, add_special_tokens=False)
-        else:
-            raise RequestError("text: one of text or input_ids is required", 400, "text")
-        if not ids:
-            raise RequestError("prompt: the prompt is empty", 400, "prompt")
-        return ids
+    @functools.cached_property
+    def limits(self) -> InputLimits:
+        """The bounds every entry point's normalize() checks against (model and server)."""
+        args = self.args
+        max_chars = getattr(args, "max_prompt_chars", None)
+        if max_chars is None:
+            max_chars = self.context_length * CHARS_PER_TOKEN_BOUND
+        return InputLimits(
+            vocab_size=self.model_info.get("vocab_size"),
+            context_length=self.context_length,
+            max_prompt_chars=max_chars,
+        )
 
-    def validate(self, ids: list[int], sp: SamplingParams) -> None:
+    async def tokenize(self, req: ReqInput) -> list[int]:
+        if req.input_ids is not None:
+            return list(req.input_ids)
+        if len(req.text) < INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(req.text, add_special_tokens=False)
+        # a long prompt takes the tokenizer seconds (it releases the GIL): off the loop
+        return await asyncio.to_thread(self.tokenizer.encode, req.text, add_special_tokens=False)
+
+    def validate(self, ids: list[int], req: ReqInput) -> None:
+        """The checks that need the token ids; the fields were checked by normalize()."""
+        field = "text" if req.text is not None else "input_ids"
+        sp = req.sampling_params
+        if not ids:
+            raise RequestError(field, "the prompt is empty")
         if len(ids) >= self.context_length:
             raise RequestError(
-                f"prompt: {len(ids)} tokens, over the context length {self.context_length}",
-                400, "prompt",
+                field, f"{len(ids)} tokens, over the context length {self.context_length}"
             )
         if len(ids) + sp.max_new_tokens > self.context_length:
             raise RequestError(
-                f"max_new_tokens: {sp.max_new_tokens} new tokens after a {len(ids)}-token prompt "
-                f"exceed the context length {self.context_length}",
-                400, "max_new_tokens",
+                "max_new_tokens",
+                f"{sp.max_new_tokens} new tokens after a {len(ids)}-token prompt exceed the "
+                f"context length {self.context_length}",
             )
-        vocab = self.model_info["vocab_size"]
-        if any(t < 0 or t >= vocab for t in ids):
-            raise RequestError(f"input_ids: token ids must be in [0, {vocab})", 400, "input_ids")
+        if req.return_logprob:
+            if req.logprob_start_len > len(ids):
+                raise RequestError(
+                    "logprob_start_len",
+                    f"{req.logprob_start_len} is beyond the prompt ({len(ids)} tokens)",
+                )
+            rows = sp.max_new_tokens + (
+                len(ids) - req.logprob_start_len if req.logprob_start_len >= 0 else 0
+            )
+            limit = self.limits.max_logprob_entries
+            if rows * (1 + req.top_logprobs_num) > limit:
+                raise RequestError(
+                    "top_logprobs_num",
+                    f"{rows} logprob rows x {1 + req.top_logprobs_num} entries exceed the limit "
+                    f"of {limit} per request; ask for fewer top logprobs, tokens or input rows",
+                )
 
     def check_alive(self) -> None:
         if self.dead:
-            raise RequestError(f"server unavailable: {self.dead}", 503)
+            raise RequestError(None, f"server unavailable: {self.dead}", 503)
 
-    def queue_full(self) -> bool:
-        return len(self.states) >= self.args.max_queued_requests + self.args.max_running_requests
-
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[ReqState]:
+    async def generate(self, req: ReqInput) -> AsyncIterator[ReqState]:
         """Yields the request's state each time output arrives (every step when streaming,
         once at the end otherwise); the last one has finished_reason set."""
         self.check_alive()
-        sp = _to_sampling(inp.sampling_params)
-        ids = self.tokenize(inp)
-        self.validate(ids, sp)
-        rid = inp.rid or uuid.uuid4().hex
+        deadline = self._deadline()
+        ids = await self.tokenize(req)
+        self.validate(ids, req)
+        rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
-            raise RequestError(f"rid: request id {rid!r} is already in use", 400, "rid")
-        logprob_start = -1
-        if inp.return_logprob:
-            logprob_start = inp.logprob_start_len if inp.logprob_start_len is not None else -1
-            if logprob_start is not None and logprob_start >= 0 and logprob_start > len(ids):
-                raise RequestError("logprob_start_len: beyond the prompt", 400, "logprob_start_len")
-        state = ReqState(rid, len(ids))
-        if logprob_start >= 0:
+            raise RequestError("rid", f"request id {rid!r} is already in use")
+        state = ReqState(rid, len(ids), group=req.group, key=req.key, priority=req.priority)
+        if req.return_logprob and req.logprob_start_len >= 0:
             state.input_token_logprobs, state.input_top_logprobs = [], []
         self.states[rid] = state
-        self.sender.send(
-            TokenizedGenerateReq(
-                rid=rid, input_ids=ids, sampling_params=sp.to_dict(),
-                return_logprob=inp.return_logprob, logprob_start_len=logprob_start,
-                top_logprobs_num=inp.top_logprobs_num or 0, stream=inp.stream,
-                arrival_time=time.time(),
-            )
-        )
         try:
+            self.sender.send(
+                TokenizedGenerateReq(
+                    rid=rid, input_ids=ids, sampling_params=req.sampling_params.to_dict(),
+                    return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                    top_logprobs_num=req.top_logprobs_num, stream=req.stream,
+                    arrival_time=time.time(), priority=req.priority,
+                )
+            )
             while True:
-                await state.event.wait()
+                await self._wait(state, deadline)
                 state.event.clear()
                 if state.error is not None:
                     raise state.error
@@ -186,11 +170,29 @@ class TokenizerManager:
                     return
         finally:
             if self.states.pop(rid, None) is not None and state.finished_reason is None:
-                self.abort(rid)  # the consumer went away (client disconnect, cancel)
+                self.abort(rid)  # the consumer went away (disconnect, cancel, deadline)
 
-    async def generate_one(self, inp: GenerateInput) -> ReqState:
+    def _deadline(self) -> float | None:
+        timeout = getattr(self.args, "request_timeout", None)
+        return time.monotonic() + timeout if timeout else None
+
+    async def _wait(self, state: ReqState, deadline: float | None) -> None:
+        if deadline is None:
+            await state.event.wait()
+            return
+        try:
+            await asyncio.wait_for(state.event.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise RequestError(
+                None,
+                f"request timed out: no result within {self.args.request_timeout:g} s "
+                "(--request-timeout); it was aborted",
+                504,
+            ) from None
+
+    async def generate_one(self, req: ReqInput) -> ReqState:
         state = None
-        async for state in self.generate(inp):
+        async for state in self.generate(req):
             pass
         return state
 
@@ -226,7 +228,7 @@ class TokenizerManager:
             elif isinstance(msg, RequestErrorOut):
                 state = self.states.get(msg.rid)
                 if state is not None:
-                    state.error = RequestError(msg.message, msg.status, msg.param)
+                    state.error = _scheduler_error(msg)
                     state.event.set()
             elif isinstance(msg, FlushCacheOut):
                 self._resolve(FlushCacheReq, msg)
@@ -274,21 +276,18 @@ class TokenizerManager:
                     self.dead = f"the {name} process died (exit code {proc.exitcode})"
                     logger.error("frontend: %s", self.dead)
                     for state in list(self.states.values()):
-                        state.error = RequestError(f"server unavailable: {self.dead}", 503)
+                        state.error = RequestError(None, f"server unavailable: {self.dead}", 503)
                         state.event.set()
                     for fut in self._control.values():
                         if not fut.done():
-                            fut.set_exception(RequestError(self.dead, 503))
+                            fut.set_exception(RequestError(None, self.dead, 503))
                     break
             await asyncio.sleep(0.25)
 
 
-def _to_sampling(params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
-    if isinstance(params, SamplingParams):
-        return params
-    if params is not None and not isinstance(params, dict):
-        raise RequestError("sampling_params: must be an object", 400, "sampling_params")
-    try:
-        return SamplingParams.from_dict(params)
-    except (ValueError, TypeError) as e:
-        raise RequestError(str(e), 400, str(e).split(":")[0]) from None
+def _scheduler_error(msg: RequestErrorOut) -> RequestError:
+    """A request the scheduler refused (a constraint that does not compile, KV capacity)."""
+    message = msg.message
+    if msg.param and message.startswith(msg.param + ": "):
+        message = message[len(msg.param) + 2 :]
+    return RequestError(msg.param, message, msg.status)

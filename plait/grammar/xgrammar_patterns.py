@@ -5,6 +5,17 @@ mis-handles an optional group that contains a repetition: for `a(?:x[0-9]+)?b` i
 "a12b" (the `x` is skipped). Its plain regex converter gets the same regex right. So every
 pattern in the core schema is replaced by a marker, xgrammar prints the schema's grammar as
 EBNF, and each marker's rule is replaced by the plain-regex grammar of the real pattern.
+
+Long length bounds. `maxLength` folds into a counted repetition of one JSON character,
+`c{lo,hi}`, where c is a class or an escape (`\\n`, `\\u001f`). xgrammar 0.2.8 has no cached
+token mask for such a repetition: every mask fill walks the whole vocabulary through its parser
+(measured on a 100k vocabulary: 0.15 s per fill at hi=16, 0.6-1.6 s at hi=256..1024, growing with
+the string; nine such fields made a request cost seconds per token and stalled its batch). A rule
+with xgrammar's `max_chars` attribute over an unbounded repetition keeps the masks cached (about
+1 ms per fill at hi=2048). `max_chars` counts raw code points, so an escape costs its width
+(2 or 6) instead of one character: the bound stays sound (never longer than maxLength) and is
+exact for strings without escapes; a string with escapes may stop up to 5 characters per escape
+short of maxLength. Bounds up to LONG_REPEAT keep the exact counted repetition.
 """
 
 from __future__ import annotations
@@ -19,6 +30,17 @@ from plait.grammar.json_schema import map_subschemas
 
 _MARKER = "PLAITPAT{}X"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# counted repetitions with more optional repeats than this become a max_chars rule
+LONG_REPEAT = 32
+# one printed alternative that is exactly one JSON character: a class, or one escape sequence
+_ONE = r'(?:"[^"\\]"|\[(?:\\.|[^\]\\])*\])'
+_JSON_CHAR_ALT = re.compile(
+    r'\[(?:\\.|[^\]\\])*\]'  # a character class
+    r'|"\\\\" "(?:[bfnrt/]|\\"|\\\\)"'  # a short escape: \n, \", \\ ...
+    r'|"\\\\" "u"(?: ' + _ONE + r'){4}'  # \uXXXX
+)
+_RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$", re.M)
+_COUNTED = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\{(\d+), (\d+)\}")
 
 
 def extract_patterns(core: Any) -> tuple[Any, list[str]]:
@@ -52,7 +74,7 @@ def splice_patterns(ebnf: str, patterns: list[str]) -> str:
         name = f"plait_pattern_{k}"
         ebnf = ebnf.replace(call, f"(({name}))")
         try:
-            rules.append(_rename_root(str(xgr.Grammar.from_regex(pattern)), name))
+            rules.append(bound_long_repeats(_rename_root(str(xgr.Grammar.from_regex(pattern)), name)))
         except RuntimeError as e:
             raise GrammarError(f"json_schema: pattern not supported by xgrammar: {e}",
                                "json_schema") from None
@@ -95,3 +117,33 @@ def _closing(text: str, start: int, close: str) -> int:
             return i + 1
         i += 1
     return len(text)
+
+
+def bound_long_repeats(ebnf: str) -> str:
+    """Rewrite `c{lo, hi}` (c a rule that is exactly one JSON character, hi - lo > LONG_REPEAT)
+    as `c{lo, lo} c_upto` with `c_upto[max_chars=hi-lo] ::= c*` (see the module docstring)."""
+    bodies = {m.group(1): m.group(2) for m in _RULE.finditer(ebnf)}
+    extra: list[str] = []
+
+    def rewrite(m: re.Match) -> str:
+        rule, lo, hi = m.group(1), int(m.group(2)), int(m.group(3))
+        if hi - lo <= LONG_REPEAT or not _is_json_char(bodies.get(rule, "")):
+            return m.group(0)
+        upto = f"{rule}_upto{len(extra)}"
+        extra.append(f"{upto}[max_chars={hi - lo}] ::= (({rule}*))")
+        return f"{rule}{{{lo}, {lo}}} {upto}" if lo else upto
+
+    lines = []
+    for line in ebnf.splitlines():
+        head, sep, body = line.partition(" ::= ")
+        lines.append(head + sep + _COUNTED.sub(rewrite, body) if sep else line)
+    return "\n".join(lines + extra) + "\n"
+
+
+def _is_json_char(body: str) -> bool:
+    """The printed rule body is an alternation of single JSON characters (classes, escapes)."""
+    body = body.strip()
+    if not (body.startswith("((") and body.endswith("))")):
+        return False
+    alts = body[2:-2].split(") | (")
+    return all(_JSON_CHAR_ALT.fullmatch(a) for a in alts)

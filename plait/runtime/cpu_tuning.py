@@ -112,3 +112,33 @@ def pack_layer_linears(model: torch.nn.Module) -> int:
                 setattr(parent, name, packed)
                 replaced += 1
     return replaced
+
+
+# ----------------------------------------------------------------------------- thread waiting
+# How an idle OpenMP thread waits for the next parallel region. libgomp (torch's OpenMP in the
+# Linux wheels) spins 300,000 iterations before it sleeps (Intel OpenMP: KMP_BLOCKTIME 200 ms).
+# On an idle machine that saves a futex wake-up per operator; beside another CPU-heavy process
+# it is what collapsed throughput: a decode step is some 300+ small operators, each a parallel
+# region, and between them the scheduler's Python code runs on the master thread while the
+# workers spin on the other cores, taking the time slices the competitor (or our own
+# scheduler, detokenizer and frontend) needs; a worker that the OS has descheduled then holds
+# every barrier for a whole time slice. A short spin keeps the quiet-machine latency (the next
+# operator starts within microseconds) and lets a waiting thread yield its core soon after.
+THREAD_WAIT_ENV = {
+    "GOMP_SPINCOUNT": "20000",  # libgomp: spin iterations (~10-50 us) before sleeping
+    "KMP_BLOCKTIME": "1",  # Intel OpenMP, when preloaded: ms to spin before sleeping
+    # the tokenizers library's own thread pool (batch encode/decode) beside torch's threads
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def child_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for plait's child processes: bounded OpenMP spinning and no tokenizer
+    thread pool, unless the user set those variables (theirs win). They must be set before the
+    child starts: OpenMP reads them once, when torch first loads it."""
+    import os
+
+    env = dict(os.environ if environ is None else environ)
+    for key, value in THREAD_WAIT_ENV.items():
+        env.setdefault(key, value)
+    return env

@@ -17,7 +17,8 @@ from plait.kernels.base import (
 from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
 from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
-from plait.runtime.models import ModelConfig, load_model, resolve_dtype
+from plait.models.config import ModelConfig
+from plait.models.weights import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
 

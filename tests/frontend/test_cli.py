@@ -157,6 +157,7 @@ def test_generate_prints_the_engines_text(tiny_llama, http):
             "generate",
             "--model",
             tiny_llama,
+            "--raw",
             "--prompt",
             prompt,
             "--max-new-tokens",

@@ -76,7 +76,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "gpt-7", "messages": CHAT}, 404, "gpt-7"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "stop": 5}, 400, "stop"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 2, 10**8]}, 400, "input_ids"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 2, 10**8]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "word " * 5000}, 400, "context length"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "seed": -3}, 400, "seed"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": ""}, 400, "prompt"),

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from plait.frontend.native_api import error_body, parse_generate
+from plait.errors import RequestError
+from plait.frontend.http_common import error_body
+from plait.frontend.native_api import parse_generate
 from plait.frontend.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -16,7 +18,6 @@ from plait.frontend.openai_api import (
     response_format_constraint,
     sampling_params,
 )
-from plait.frontend.tokenizer_manager import RequestError
 
 MSGS = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -129,7 +130,7 @@ def test_invalid_bodies_name_the_field(fields, param):
 
 
 def test_errors_use_openai_names():
-    e = openai_error(RequestError("max_new_tokens: 5000 new tokens exceed", 400, "max_new_tokens"))
+    e = openai_error(RequestError("max_new_tokens", "5000 new tokens exceed"))
     assert str(e) == "max_tokens: 5000 new tokens exceed" and e.param == "max_tokens"
     with pytest.raises(RequestError) as e:
         chat_sampling(max_tokens=-2)
@@ -137,7 +138,7 @@ def test_errors_use_openai_names():
 
 
 def test_error_body_shape():
-    assert error_body(RequestError("model: no such model", 404, "model")) == {
+    assert error_body(RequestError("model", "no such model", 404)) == {
         "error": {
             "message": "model: no such model",
             "type": "not_found_error",
@@ -145,7 +146,7 @@ def test_error_body_shape():
             "code": "model_not_found",
         }
     }
-    assert error_body(RequestError("busy", 429))["error"]["code"] == "rate_limit_exceeded"
+    assert error_body(RequestError(None, "busy", 429))["error"]["code"] == "rate_limit_exceeded"
 
 
 def test_generate_batch_and_n_expand_in_order():
@@ -157,14 +158,14 @@ def test_generate_batch_and_n_expand_in_order():
         }
     )
     assert req.batched and not req.stream
-    assert [(i.text, i.rid, i.sampling_params.seed) for i in req.inputs] == [
+    assert [(i.text, i.rid, i.sampling_params.seed) for i in req.reqs] == [
         ("a", "r1_0", 10),
         ("a", "r1_1", 11),
         ("b", "r2_0", 10),
         ("b", "r2_1", 11),
     ]
     single = parse_generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
-    assert not single.batched and single.inputs[0].input_ids == [1, 2, 3]
+    assert not single.batched and single.reqs[0].input_ids == [1, 2, 3]
 
 
 def test_generate_accepts_sglang_nulls_and_names():
@@ -186,7 +187,7 @@ def test_generate_accepts_sglang_nulls_and_names():
             },
         }
     )
-    sp = req.inputs[0].sampling_params
+    sp = req.reqs[0].sampling_params
     assert (sp.temperature, sp.max_new_tokens, sp.seed, sp.constraint) == (1.0, 4, 5, None)
 
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from plait.args import ServerArgs
+from plait.errors import RequestError
 from plait.frontend.replicas import free_port_block, replica_args, router_command
 from plait.frontend.router_compat import strip_router_fields
-from plait.frontend.tokenizer_manager import RequestError
 from tests.frontend.server_utils import assert_error, sse_events, wait_for
 
 START_TIMEOUT_S = 600.0
@@ -115,6 +115,8 @@ class Deployment:
                 "--dp",
                 "2",
                 "--router",
+                "--model",
+                "plait-tiny",
                 "--port",
                 str(self.port),
                 "--max-total-tokens",

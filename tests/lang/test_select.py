@@ -9,6 +9,7 @@ import math
 import pytest
 
 import plait.lang as pl
+from plait.io_struct import to_payload
 
 CHOICES = ["yes", "no", "maybe not"]
 
@@ -142,9 +143,9 @@ class CountingBackend(pl.EngineBackend):
         super().__init__(engine)
         self.calls = []
 
-    async def request(self, payload):
-        self.calls.append(payload)
-        return await super().request(payload)
+    async def request(self, inp):
+        self.calls.append(to_payload(inp))  # the /generate body this request would be
+        return await super().request(inp)
 
 
 def test_one_batched_request_after_one_prefix_commit(engine):

@@ -82,3 +82,28 @@ def test_pack_layer_linears_replaces_only_large_fp32_projections():
     assert isinstance(model[0], PackedLinear) and type(model[1]) is torch.nn.Linear
     assert type(model[2]) is torch.nn.Linear
     torch.testing.assert_close(model[1](model[0](x)), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_child_env_bounds_openmp_spinning_and_keeps_user_settings():
+    from plait.runtime.cpu_tuning import THREAD_WAIT_ENV, child_env
+
+    env = child_env({"PATH": "/bin"})
+    assert {k: env[k] for k in THREAD_WAIT_ENV} == THREAD_WAIT_ENV
+    assert int(env["GOMP_SPINCOUNT"]) < 300_000  # below libgomp's default spin
+    assert child_env({"GOMP_SPINCOUNT": "300000"})["GOMP_SPINCOUNT"] == "300000"
+
+
+@pytest.mark.model
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc")
+def test_launched_children_wait_with_bounded_spin(tiny_llama, monkeypatch):
+    """The scheduler and detokenizer processes really start with the bounded wait (OpenMP reads
+    it once at start-up, so it must be in their environment, not set later)."""
+    import plait
+    from plait.runtime.cpu_tuning import THREAD_WAIT_ENV
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with plait.Engine(tiny_llama, max_total_tokens=1024) as eng:
+        for name, proc in eng._runtime.procs.items():
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            assert env[b"GOMP_SPINCOUNT"] == THREAD_WAIT_ENV["GOMP_SPINCOUNT"].encode(), name

@@ -105,7 +105,7 @@ def test_unknown_architecture_names_the_supported_ones(tiny_llama, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*LlamaForCausalLM"):
         ModelConfig.from_dir(bad)
@@ -113,7 +113,7 @@ def test_unknown_architecture_names_the_supported_ones(tiny_llama, tmp_path):
 
 def test_hub_name_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from plait.runtime.models import resolve_model_path
+    from plait.models.resolve import resolve_model_path
 
     with pytest.raises(ValueError, match="not a local directory.*hub"):
         resolve_model_path("some-org/some-model-that-is-not-here")

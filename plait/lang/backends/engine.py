@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from plait.io_struct import GenerateInput
 from plait.lang.backends.base import BackendError
 from plait.lang.backends.native import NativeBackend
 from plait.lang.chat_template import ChatTemplate
@@ -28,7 +29,7 @@ class EngineBackend(NativeBackend):
         chat_template: str | None = None,
         **server_args: Any,
     ) -> None:
-        """`engine`: a plait.Engine, or a model path (None: the embedded default model) for
+        """`engine`: a plait.Engine, or a model path (None: the default model, SmolLM2) for
         an Engine this backend starts with `server_args` and stops in shutdown()."""
         from plait.frontend.engine import Engine
 
@@ -41,19 +42,19 @@ class EngineBackend(NativeBackend):
         template = ChatTemplate.from_tokenizer(engine.tokenizer, chat_template)
         super().__init__(tokenizer=engine.tokenizer, chat_template=template)
 
-    async def request(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    async def request(self, inp: GenerateInput) -> dict[str, Any] | list[dict[str, Any]]:
         try:
-            out = await self.engine.async_generate(**_engine_kwargs(payload))
+            out = await self.engine.async_generate(**_engine_kwargs(inp))
         except ValueError as e:
             raise BackendError(f"engine: {e}", getattr(e, "status", None)) from e
-        if payload.get("return_text_in_logprobs"):
+        if inp.return_text_in_logprobs:
             for o in out if isinstance(out, list) else [out]:
                 self._add_token_texts(o["meta_info"])
         return out
 
-    async def request_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request_stream(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
         try:
-            chunks = await self.engine.async_generate(**_engine_kwargs(payload), stream=True)
+            chunks = await self.engine.async_generate(**_engine_kwargs(inp), stream=True)
             text = ""
             async for chunk in chunks:
                 text += chunk["text"]  # the engine streams increments; the protocol is cumulative
@@ -77,12 +78,13 @@ class EngineBackend(NativeBackend):
             self.engine.shutdown()
 
 
-def _engine_kwargs(payload: dict[str, Any]) -> dict[str, Any]:
+def _engine_kwargs(inp: GenerateInput) -> dict[str, Any]:
+    """The Engine's arguments (it builds the same GenerateInput and normalizes it)."""
     return {
-        "prompt": payload.get("text"),
-        "input_ids": payload.get("input_ids"),
-        "sampling_params": payload.get("sampling_params"),
-        "return_logprob": bool(payload.get("return_logprob")),
-        "logprob_start_len": payload.get("logprob_start_len"),
-        "top_logprobs_num": payload.get("top_logprobs_num"),
+        "prompt": inp.text,
+        "input_ids": inp.input_ids,
+        "sampling_params": inp.sampling_params,
+        "return_logprob": bool(inp.return_logprob),
+        "logprob_start_len": inp.logprob_start_len,
+        "top_logprobs_num": inp.top_logprobs_num,
     }

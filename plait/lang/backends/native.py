@@ -1,9 +1,8 @@
 """What every backend speaking SGLang's native /generate protocol shares: gen, streaming,
 prefix caching, and `select` scored by prompt log-probabilities.
 
-Subclasses (EngineBackend in-process, RuntimeEndpoint over HTTP) only move a request dict
-{text | input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num,
-return_text_in_logprobs} to the runtime and back.
+Subclasses (EngineBackend in-process, RuntimeEndpoint over HTTP) only move a GenerateInput
+(plait/io_struct.py: the request shape every entry point normalizes) to the runtime and back.
 
 select, with the model's tokenizer (exact):
   1. tokenize the prompt and prompt+choice for each choice; a choice's scored tokens start
@@ -23,12 +22,14 @@ SGLang's text protocol: logprobs from the last prompt token, dropped unless heal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 from abc import abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from plait.io_struct import GenerateInput
 from plait.lang.backends.base import Backend, GenResult, LogprobOptions
 from plait.lang.chat_template import ChatTemplate
 from plait.lang.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
@@ -47,12 +48,13 @@ class NativeBackend(Backend):
 
     # ------------------------------------------------------------------ transport
     @abstractmethod
-    async def request(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
-        """One /generate call; a list of outputs when the payload holds a batch or n > 1."""
+    async def request(self, inp: GenerateInput) -> dict[str, Any] | list[dict[str, Any]]:
+        """One generation request (the runtime normalizes it as every entry point does); a
+        list of outputs when it holds a batch or n > 1."""
 
     @abstractmethod
-    def request_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """A streaming /generate call: outputs whose `text` is cumulative."""
+    def request_stream(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        """A streaming request: outputs whose `text` is cumulative."""
 
     # ------------------------------------------------------------------ Backend
     def get_chat_template(self) -> ChatTemplate:
@@ -77,9 +79,9 @@ class NativeBackend(Backend):
     async def generate_stream(self, s: Executor, params: SamplingParams, options: LogprobOptions):
         if params.n != 1:
             raise ValueError("n: streaming generates one sample (use s.fork(n) for several)")
-        payload = _gen_payload(s.text_, params, options) | {"stream": True}
+        inp = dataclasses.replace(_gen_payload(s.text_, params, options), stream=True)
         sent, meta = 0, None
-        async for out in self.request_stream(payload):
+        async for out in self.request_stream(inp):
             meta = out["meta_info"]
             delta = out["text"][sent:]
             sent = len(out["text"])
@@ -89,7 +91,7 @@ class NativeBackend(Backend):
     async def cache_prefix(self, s: Executor | None, text: str) -> dict[str, Any] | None:
         if not text:
             return None
-        out = await self.request({"text": text, "sampling_params": {"max_new_tokens": 0}})
+        out = await self.request(GenerateInput(text=text, sampling_params={"max_new_tokens": 0}))
         if s is not None:
             s.usage.add(out["meta_info"])
         return out["meta_info"]
@@ -129,14 +131,16 @@ class NativeBackend(Backend):
         # a choice's scored tokens start where its tokenization leaves the prompt's
         starts = [_common_prefix_len(prompt_ids, ids) for ids in fulls]
         shared = min(starts)
-        batch = {
-            "input_ids": fulls,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-            "return_logprob": True,
-            "logprob_start_len": shared,
-        }
+        batch = GenerateInput(
+            input_ids=fulls,
+            sampling_params={"max_new_tokens": 0, "temperature": 0.0},
+            return_logprob=True,
+            logprob_start_len=shared,
+        )
         if shared > 0 and s.committed_len < len(s.text_):
-            commit = {"input_ids": prompt_ids[:shared], "sampling_params": {"max_new_tokens": 0}}
+            commit = GenerateInput(
+                input_ids=prompt_ids[:shared], sampling_params={"max_new_tokens": 0}
+            )
             committed, outs = await _pipelined(self.request(commit), self.request(batch))
             s.usage.add(committed["meta_info"])
         else:
@@ -150,17 +154,19 @@ class NativeBackend(Backend):
         return cond, outputs
 
     async def _score_by_text(self, s: Executor, choices: list[str]):
-        commit = await self.request({"text": s.text_, "sampling_params": {"max_new_tokens": 0}})
+        commit = await self.request(
+            GenerateInput(text=s.text_, sampling_params={"max_new_tokens": 0})
+        )
         s.usage.add(commit["meta_info"])
         start = max(commit["meta_info"]["prompt_tokens"] - 1, 0)
         outs = await self.request(
-            {
-                "text": [s.text_ + c for c in choices],
-                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-                "return_logprob": True,
-                "return_text_in_logprobs": True,
-                "logprob_start_len": start,
-            }
+            GenerateInput(
+                text=[s.text_ + c for c in choices],
+                sampling_params={"max_new_tokens": 0, "temperature": 0.0},
+                return_logprob=True,
+                return_text_in_logprobs=True,
+                logprob_start_len=start,
+            )
         )
         cond, outputs = [], []
         for out in outs:
@@ -175,12 +181,12 @@ class NativeBackend(Backend):
 
     async def _unconditional(self, s: Executor, token_ids: list[list[int]]) -> list[list[list]]:
         outs = await self.request(
-            {
-                "input_ids": token_ids,
-                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-                "return_logprob": True,
-                "logprob_start_len": 0,
-            }
+            GenerateInput(
+                input_ids=token_ids,
+                sampling_params={"max_new_tokens": 0, "temperature": 0.0},
+                return_logprob=True,
+                logprob_start_len=0,
+            )
         )
         result = []
         for ids, out in zip(token_ids, outs):
@@ -217,17 +223,14 @@ async def _pipelined(first, second) -> tuple[Any, Any]:
     return await task, second_out
 
 
-def _gen_payload(text: str, params: SamplingParams, options: LogprobOptions) -> dict[str, Any]:
-    payload: dict[str, Any] = {"text": text, "sampling_params": _sampling_dict(params)}
+def _gen_payload(text: str, params: SamplingParams, options: LogprobOptions) -> GenerateInput:
+    inp = GenerateInput(text=text, sampling_params=_sampling_dict(params))
     if options.return_logprob:
-        payload["return_logprob"] = True
-        if options.logprob_start_len is not None:
-            payload["logprob_start_len"] = options.logprob_start_len
-        if options.top_logprobs_num:
-            payload["top_logprobs_num"] = options.top_logprobs_num
-        if options.return_text_in_logprobs:
-            payload["return_text_in_logprobs"] = True
-    return payload
+        inp.return_logprob = True
+        inp.logprob_start_len = options.logprob_start_len
+        inp.top_logprobs_num = options.top_logprobs_num or None
+        inp.return_text_in_logprobs = bool(options.return_text_in_logprobs)
+    return inp
 
 
 def _sampling_dict(params: SamplingParams) -> dict[str, Any]:

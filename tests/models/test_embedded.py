@@ -1,4 +1,4 @@
-"""Tests for plait.runtime.default_model: tokenizer conversion and tiny checkpoints."""
+"""Tests for plait.models.embedded: tokenizer conversion and the tiny test checkpoints."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import tiktoken
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from plait.runtime import default_model as dm
-from plait.runtime.default_model import (
+from plait.models import embedded as dm
+from plait.models.embedded import (
     CHECKPOINT_SPECS,
     build_checkpoint,
     build_tokenizer_files,
-    default_model_path,
     ensure_checkpoint,
 )
 
@@ -102,7 +101,7 @@ def _random_text(rng: random.Random, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_path() -> Path:
-    return default_model_path()
+    return ensure_checkpoint("plait-tiny")
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +149,7 @@ def test_specs_are_consistent() -> None:
     assert tiny.tie_word_embeddings and tiny.num_key_value_heads < tiny.num_attention_heads
 
 
-def test_default_model_path_is_plait_tiny(tiny_path: Path) -> None:
+def test_plait_tiny_checkpoint(tiny_path: Path) -> None:
     assert tiny_path == ensure_checkpoint("plait-tiny")
     assert tiny_path.name.startswith("plait-tiny")
     config = json.loads((tiny_path / "config.json").read_text())
@@ -318,7 +317,7 @@ def test_build_is_deterministic(tmp_path: Path) -> None:
         assert _sha256(tmp_path / "a" / name) == _sha256(tmp_path / "b" / name), name
 
 
-def test_default_model_is_deterministic(tmp_path: Path, tiny_path: Path) -> None:
+def test_plait_tiny_is_deterministic(tmp_path: Path, tiny_path: Path) -> None:
     fresh = ensure_checkpoint("plait-tiny", cache_dir=tmp_path)
     assert fresh.name == tiny_path.name
     for name in ("model.safetensors", "tokenizer.json"):

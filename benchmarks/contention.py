@@ -1,0 +1,192 @@
+"""Throughput under CPU contention: quiet vs with a CPU-heavy competitor process beside the
+measured engine, and the ratio (issue 13: plait must keep >= 0.5x of its quiet throughput).
+
+    python -m benchmarks.contention [--model plait-tiny] [--engines plait,vllm]
+        [--competitor matmul|plait] [--workload judge] [--repeats 3] [--quick]
+        [--spin bounded|default]
+    python -m benchmarks.run --contention ...   (the same, from the suite's entry point)
+
+Competitors (started once, kept busy for the whole contended phase, then stopped):
+  matmul  a PyTorch process multiplying 512x512 fp32 matrices in a loop on all cores with
+          torch's default threads and OpenMP settings (an ordinary CPU training/inference job)
+  plait   a second plait Engine on the same model generating the decode workload in a loop
+          (a second server under load on a shared host)
+
+Each repetition runs the workload quiet, then contended (the order reversed every other
+repetition); figures are medians. `--spin default` launches plait's children with OpenMP's
+default spinning (GOMP_SPINCOUNT=300000, KMP_BLOCKTIME=200), i.e. as before the bounded wait
+of plait/runtime/cpu_tuning.py, for an A/B of that fix.
+
+Writes benchmarks/results/contention.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import workloads as wl
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DEFAULT_SPIN = {"GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "200"}
+
+_MATMUL = """
+import torch, time
+a = torch.randn(512, 512); b = torch.randn(512, 512)
+while True:
+    for _ in range(50):
+        a = torch.mm(a, b); a = a / a.norm()
+"""
+
+_PLAIT = """
+import sys
+import plait
+from benchmarks import workloads as wl
+from plait.runtime.models import ModelConfig
+model = sys.argv[1]
+w = wl.decode(ModelConfig.from_dir(model).vocab_size, n=16, prompt_len=128, out=64)
+with plait.Engine(model, log_level="warning") as eng:
+    print("ready", flush=True)
+    while True:
+        eng.flush_cache()
+        eng.generate(input_ids=w.prompts, sampling_params={
+            "max_new_tokens": w.max_new_tokens, "temperature": 0.0, "ignore_eos": True})
+"""
+
+
+class Competitor:
+    """A CPU-heavy process beside the measured engine, in its own process group."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        code = {"matmul": _MATMUL, "plait": _PLAIT}[kind]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
+        self.kind = kind
+        self.proc = subprocess.Popen([sys.executable, "-c", code, model], env=env,
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
+        if kind == "plait":  # busy once its engine is up
+            line = self.proc.stdout.readline()
+            if "ready" not in line:
+                self.close()
+                raise RuntimeError(f"the plait competitor did not start (code {self.proc.poll()})")
+        time.sleep(2.0)  # let it reach its steady load
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _engines(names: set[str], model: str, workload: wl.SuiteWorkload, args) -> list:
+    engines: list = []
+    if "plait" in names:
+        from benchmarks.engine import PlaitEngine
+
+        engines.append(PlaitEngine("plait", model, log_level="warning"))
+    if "vllm" in names:
+        from benchmarks import peers
+        from benchmarks.run import LOGS, PeerWorker
+
+        LOGS.mkdir(parents=True, exist_ok=True)
+        worker = PeerWorker(model, {workload.name: workload}, args.vllm_kv_gib, args.peers_venv,
+                            LOGS / "vllm-contention.log")
+        vllm = [e for e in worker.engines() if "prefix cache on" in e.name][0]
+        vllm.close = worker.close  # the worker holds the engine
+        engines.append(vllm)
+        del peers
+    return engines
+
+
+def measure(args) -> dict:
+    from plait.runtime.default_model import ensure_checkpoint
+    from plait.runtime.models import ModelConfig
+
+    model = args.model if Path(args.model).is_dir() else str(ensure_checkpoint(args.model))
+    w = wl.suite(ModelConfig.from_dir(model).vocab_size, quick=args.quick)[args.workload]
+    if args.spin == "default":
+        os.environ.update(DEFAULT_SPIN)  # inherited by the engines' children
+    engines = _engines(set(args.engines.split(",")), model, w, args)
+    runs: dict = {e.name: {"quiet": [], "contended": []} for e in engines}
+    try:
+        for e in engines:
+            e.run_suite(w.head(2))  # warm-up
+        for rep in range(args.repeats):
+            phases = ("quiet", "contended") if rep % 2 == 0 else ("contended", "quiet")
+            for phase in phases:
+                comp = Competitor(args.competitor, model) if phase == "contended" else None
+                try:
+                    for e in engines:
+                        secs, _ = e.run_suite(w)
+                        runs[e.name][phase].append(secs)
+                        print(f"  rep {rep} {phase:9s} {e.name:12s} {secs:8.2f} s", flush=True)
+                finally:
+                    if comp is not None:
+                        comp.close()
+    finally:
+        for e in engines:
+            e.close()
+    out = {}
+    for name, r in runs.items():
+        quiet, contended = statistics.median(r["quiet"]), statistics.median(r["contended"])
+        out[name] = {
+            "quiet_req_s": w.num_requests / quiet, "contended_req_s": w.num_requests / contended,
+            "contended_vs_quiet": quiet / contended, "runs_s": r,
+        }
+    return {"model": args.model, "workload": w.description, "competitor": args.competitor,
+            "spin": args.spin, "repeats": args.repeats, "cpus": os.cpu_count(), "engines": out}
+
+
+def markdown(res: dict) -> str:
+    lines = [f"## Throughput under contention — {res['model']}, {res['workload']}", "",
+             f"competitor: {res['competitor']}; OpenMP spin: {res['spin']}; medians of "
+             f"{res['repeats']}", "",
+             "| engine | quiet req/s | contended req/s | contended / quiet |", "|---|---|---|---|"]
+    for name, r in res["engines"].items():
+        lines.append(f"| {name} | {r['quiet_req_s']:.2f} | {r['contended_req_s']:.2f} | "
+                     f"{r['contended_vs_quiet']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--competitor", choices=("matmul", "plait"), default="matmul")
+    ap.add_argument("--workload", default="judge", choices=("judge", "decode", "json", "tree"))
+    ap.add_argument("--spin", choices=("bounded", "default"), default="bounded",
+                    help="plait children's OpenMP waiting: plait's bounded spin, or OpenMP's "
+                         "default (the A/B of the fix)")
+
+
+def main(argv=None) -> int:
+    from benchmarks import peers
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="plait-tiny")
+    ap.add_argument("--engines", default="plait", help="subset of plait,vllm")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="the suite's tiny workload sizes")
+    ap.add_argument("--vllm-kv-gib", type=float, default=2)
+    ap.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV)
+    ap.add_argument("--out", type=Path, default=RESULTS / "contention.json")
+    add_args(ap)
+    res = measure(ap.parse_args(argv))
+    args_out = ap.parse_args(argv).out
+    args_out.parent.mkdir(parents=True, exist_ok=True)
+    args_out.write_text(json.dumps(res, indent=1))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,207 @@
+"""plait's decode step against this machine's roofline (issue 13).
+
+    python -m benchmarks.roofline [--model /tmp/smol/hf | plait-tiny] [--batches 1,8,32,64]
+        [--context 256] [--steps 16] [--peers llamacpp] [--gguf FILE]
+
+1. The machine: memory bandwidth from a large copy (bytes read + written per second, the
+   traffic a decode step's weight and KV reads are bounded by) and the fp32 GEMM peak from
+   torch.mm at the model's own projection shapes (the best of them, at 256 rows).
+2. The bound of one decode step at batch B with C tokens of context each:
+     bytes = weights (every layer's projections, the norms, the logits matrix; the embedding
+             lookup reads B rows) + KV read (B x C x layers x 2 x kv_heads x head_dim x 4)
+     flops = 2 x B x (projection + logits parameters) + 4 x B x C x layers x heads x head_dim
+     bound = max(bytes / bandwidth, flops / GEMM peak)
+3. plait's measured step: an Engine runs B requests of C prompt tokens to 1 output token and to
+   1 + steps tokens (ignore_eos, greedy); step = difference / steps (scheduling, sampling and
+   IPC included: what a user gets). Reported as bound / measured (1.0 = on the roofline).
+4. `--peers llamacpp` (llama-cpp-python in the peers' venv, see benchmarks/peers.py) adds
+   llama.cpp's batch-1 step on `--gguf` measured the same way (prefill, then steps).
+
+Writes benchmarks/results/roofline.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DEFAULT_HF = Path("/tmp/smol/hf")
+F32 = 4
+
+
+def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes moved (read + write) per second by a large tensor copy."""
+    n = mib * (1 << 20) // F32
+    src, dst = torch.randn(n), torch.empty(n)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n * F32 / best
+
+
+def gemm_peak(shapes: list[tuple[int, int]], rows: int = 256, repeats: int = 5) -> dict:
+    """fp32 FLOP/s of torch.mm [rows, k] x [k, n] for each (k, n); the best is the peak."""
+    out = {}
+    for k, n in shapes:
+        a, b = torch.randn(rows, k), torch.randn(k, n)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t)
+        out[f"{rows}x{k}x{n}"] = 2 * rows * k * n / best
+    return out
+
+
+def model_shapes(cfg) -> dict:
+    """Projection shapes (in, out) of one layer, and the logits matrix."""
+    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    layer = [(h, q), (h, kv), (h, kv), (q, h), (h, cfg.intermediate_size),
+             (h, cfg.intermediate_size), (cfg.intermediate_size, h)]
+    return {"layer": layer, "logits": (h, cfg.vocab_size)}
+
+
+def step_bound(cfg, batch: int, context: int, bandwidth: float, peak: float) -> dict:
+    shapes = model_shapes(cfg)
+    layer_params = sum(k * n for k, n in shapes["layer"]) + 2 * cfg.hidden_size
+    logits_params = cfg.hidden_size * cfg.vocab_size
+    params = cfg.num_hidden_layers * layer_params + logits_params + cfg.hidden_size
+    kv_bytes = (batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
+                * cfg.head_dim * F32)
+    weight_bytes = params * F32 + batch * cfg.hidden_size * F32  # + the embedding rows
+    flops = (2 * batch * (cfg.num_hidden_layers * layer_params + logits_params)
+             + 4 * batch * context * cfg.num_hidden_layers * cfg.num_attention_heads
+             * cfg.head_dim)
+    memory_s, compute_s = (weight_bytes + kv_bytes) / bandwidth, flops / peak
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "flops": flops,
+            "memory_bound_s": memory_s, "compute_bound_s": compute_s,
+            "bound_s": max(memory_s, compute_s),
+            "bound_by": "memory" if memory_s >= compute_s else "compute"}
+
+
+def plait_step(model: str, batch: int, context: int, steps: int, repeats: int) -> float:
+    """Seconds per decode step of plait at this batch (median of repeats)."""
+    import random
+
+    import plait
+    from plait.runtime.models import ModelConfig
+
+    vocab = ModelConfig.from_dir(model).vocab_size
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(context)] for _ in range(batch)]
+
+    def timed(eng, n: int) -> float:
+        eng.flush_cache()
+        t = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params={
+            "max_new_tokens": n, "temperature": 0.0, "ignore_eos": True})
+        return time.perf_counter() - t
+
+    per = []
+    with plait.Engine(model, log_level="warning",
+                      max_total_tokens=max(8192, 2 * batch * (context + steps + 2))) as eng:
+        timed(eng, 2)  # warm-up
+        for _ in range(repeats):
+            per.append((timed(eng, 1 + steps) - timed(eng, 1)) / steps)
+    return statistics.median(per)
+
+
+def llamacpp_step(gguf: str, context: int, steps: int, threads: int) -> float | None:
+    """llama.cpp's batch-1 decode step through the peers' venv (None if unavailable)."""
+    from benchmarks import peers
+
+    return peers.llamacpp_step(gguf, context, steps, threads)
+
+
+def resolve_model(name: str | None) -> str:
+    if name is None:
+        name = str(DEFAULT_HF) if (DEFAULT_HF / "config.json").exists() else "plait-tiny"
+    if Path(name).is_dir():
+        return name
+    from plait.runtime.default_model import ensure_checkpoint
+
+    return str(ensure_checkpoint(name))
+
+
+def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
+        peers_wanted: set[str], gguf: str | None) -> dict:
+    from plait.runtime.models import ModelConfig
+
+    cfg = ModelConfig.from_dir(model)
+    bandwidth = copy_bandwidth()
+    shapes = model_shapes(cfg)
+    gemms = gemm_peak(sorted(set(shapes["layer"])) + [shapes["logits"]])
+    peak = max(gemms.values())
+    rows = []
+    for b in batches:
+        bound = step_bound(cfg, b, context, bandwidth, peak)
+        measured = plait_step(model, b, context, steps, repeats)
+        rows.append({"engine": "plait", "batch": b, "step_s": measured,
+                     "tok_s": b / measured, "fraction_of_bound": bound["bound_s"] / measured,
+                     **bound})
+        print(f"  plait batch {b:3d}: step {measured * 1e3:7.2f} ms, bound "
+              f"{bound['bound_s'] * 1e3:6.2f} ms ({bound['bound_by']}): "
+              f"{bound['bound_s'] / measured:.0%}", flush=True)
+    if "llamacpp" in peers_wanted and gguf:
+        step = llamacpp_step(gguf, context, steps, threads=os.cpu_count() or 1)
+        if step is not None:
+            bound = step_bound(cfg, 1, context, bandwidth, peak)
+            rows.append({"engine": f"llama.cpp ({Path(gguf).name})", "batch": 1, "step_s": step,
+                         "tok_s": 1 / step, "fraction_of_bound": bound["bound_s"] / step,
+                         **bound, "note": "bound computed for fp32 weights"})
+    return {"model": model, "context": context, "steps": steps, "repeats": repeats,
+            "bandwidth_bytes_s": bandwidth, "gemm_flops": gemms, "gemm_peak_flops": peak,
+            "threads": torch.get_num_threads(), "rows": rows}
+
+
+def markdown(res: dict) -> str:
+    lines = [f"## Roofline — {res['model']}", "",
+             f"copy bandwidth {res['bandwidth_bytes_s'] / 1e9:.1f} GB/s (read + write); fp32 "
+             f"GEMM peak {res['gemm_peak_flops'] / 1e9:.1f} GFLOP/s ({res['threads']} threads); "
+             f"context {res['context']} tokens per request", "",
+             "| engine | batch | step ms | tok/s | bound ms | bound by | fraction of bound |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['engine']} | {r['batch']} | {r['step_s'] * 1e3:.2f} | "
+                     f"{r['tok_s']:.0f} | {r['bound_s'] * 1e3:.2f} | {r['bound_by']} | "
+                     f"{r['fraction_of_bound']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help=f"checkpoint dir or name (default {DEFAULT_HF} if present, else "
+                         "plait-tiny)")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peers", default="", help="comma-separated: llamacpp")
+    ap.add_argument("--gguf", default=None, help="GGUF file for llama.cpp")
+    ap.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
+    args = ap.parse_args(argv)
+    res = run(resolve_model(args.model), [int(b) for b in args.batches.split(",")], args.context,
+              args.steps, args.repeats, set(filter(None, args.peers.split(","))), args.gguf)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

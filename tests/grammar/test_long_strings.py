@@ -1,0 +1,108 @@
+"""Schemas with long `maxLength` strings (a signup form: nine fields of 1024-2048 characters)
+must cost about what an unconstrained token costs. The mechanisms, not timings: xgrammar gets
+the long bound as a `max_chars` rule (its counted repetition had no cached token mask), the
+bound is still enforced, and the budget-closing planner's work per call is bounded whatever
+the maxLength."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.grammar.xgrammar_patterns import LONG_REPEAT, bound_long_repeats
+from plait.runtime import constraints
+from plait.runtime.constraints import ConstraintTracker
+
+SIGNUP_FIELDS = [("first_name", 1024), ("last_name", 1024), ("email", 2048), ("password", 2048),
+                 ("address", 2048), ("city", 1024), ("country", 1024), ("bio", 2048),
+                 ("website", 2048)]
+
+
+def signup_schema(max_length: int | None = None) -> dict:
+    return {
+        "type": "object",
+        "properties": {k: {"type": "string", "maxLength": max_length or n}
+                       for k, n in SIGNUP_FIELDS},
+        "required": [k for k, _ in SIGNUP_FIELDS],
+        "additionalProperties": False,
+    }
+
+
+def one_field(max_length: int, min_length: int = 0) -> str:
+    return json.dumps({"type": "object", "required": ["a"], "additionalProperties": False,
+                       "properties": {"a": {"type": "string", "maxLength": max_length,
+                                            "minLength": min_length}}})
+
+
+def accepts(backend, spec: str, text: str, tokenizer) -> bool:
+    m = backend.compile("json_schema", spec).matcher()
+    return all(m.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and (
+        m.can_terminate())
+
+
+def test_long_bound_becomes_max_chars_rule_short_bound_stays_counted():
+    import xgrammar as xgr
+
+    from plait.grammar.regex_syntax import json_string_regex
+
+    long = bound_long_repeats(str(xgr.Grammar.from_regex(json_string_regex(None, 3, 2048))))
+    assert "[max_chars=2045]" in long and "{3, 3}" in long and "2048" not in long
+    short = bound_long_repeats(str(xgr.Grammar.from_regex(json_string_regex(None, 0, LONG_REPEAT))))
+    assert "max_chars" not in short and f"{{0, {LONG_REPEAT}}}" in short
+    # a repeated multi-character group is not one character per repeat: left as it is
+    group = bound_long_repeats(str(xgr.Grammar.from_regex("(?:ab){0,500}")))
+    assert "max_chars" not in group
+
+
+@pytest.mark.parametrize("max_length", [40, 300])
+def test_long_bound_is_enforced(backends, tokenizer, max_length):
+    xg = backends["xgrammar"]
+    spec = one_field(max_length, min_length=2)
+    body = "ab" * (max_length // 2)
+    assert accepts(xg, spec, '{"a": "' + body + '"}', tokenizer)
+    assert not accepts(xg, spec, '{"a": "' + body + 'c"}', tokenizer)
+    assert not accepts(xg, spec, '{"a": "a"}', tokenizer)  # minLength still counted exactly
+    # escapes count their raw width toward the bound (sound: never longer than maxLength)
+    assert accepts(xg, spec, '{"a": "' + "x\\n" * 4 + '"}', tokenizer)
+
+
+def test_signup_schema_compiles_to_max_chars_rules(backends):
+    grammar = backends["xgrammar"].compile("json_schema", json.dumps(signup_schema()))
+    assert grammar.compiled.grammar.__str__().count("max_chars=") == len(SIGNUP_FIELDS)
+
+
+class CountingMatcher:
+    """Forwards to a matcher and counts every call (the planner's unit of work)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def counted(*a, **k):
+            self.calls += 1
+            return fn(*a, **k)
+
+        return counted
+
+
+@pytest.mark.parametrize("inside", ['{"first_name": "Ann', '{"first_name": "Ann", "last_name": '])
+def test_closing_planner_work_is_bounded_whatever_the_max_length(backends, tokenizer, eos_ids,
+                                                                 inside):
+    tracker = ConstraintTracker(None, tokenizer, 8256, tuple(eos_ids))
+    calls, plans = {}, {}
+    for max_length in (16, 2048):
+        m = backends["xgrammar"].compile("json_schema",
+                                         json.dumps(signup_schema(max_length))).matcher()
+        for t in tokenizer.encode(inside, add_special_tokens=False):
+            assert m.accept_token(t)
+        counting = CountingMatcher(m)
+        plans[max_length] = tracker._plan_closing(counting, 200)
+        calls[max_length] = counting.calls
+    # every node of the search costs a few matcher calls, and the node budget is fixed
+    bound = 6 * constraints.CLOSE_SEARCH_NODES
+    assert all(0 < c <= bound for c in calls.values()), calls
+    assert plans[16] is not None and plans[2048] is not None
+    assert len(plans[2048]) == len(plans[16])  # the same short closing, not a walk to the bound
