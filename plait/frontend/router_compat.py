@@ -112,14 +112,18 @@ class RouterFields:
             or scope["path"] not in ROUTER_FIELDS
         ):
             return await self.app(scope, receive, send)
-        chunks, more = [], True
+        limit = scope["app"].state.args.max_request_bytes
+        messages, size, more = [], 0, True
         while more:
             message = await receive()
+            messages.append(message)
             if message["type"] != "http.request":  # disconnected while sending the body
-                return await self.app(scope, _replay([message], receive), send)
-            chunks.append(message.get("body", b""))
+                return await self.app(scope, _replay(messages, receive), send)
+            size += len(message.get("body", b""))
             more = message.get("more_body", False)
-        body = b"".join(chunks)
+            if size > limit:  # not buffered further: the endpoint answers 413
+                return await self.app(scope, _replay(messages, receive), send)
+        body = b"".join(m.get("body", b"") for m in messages)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):

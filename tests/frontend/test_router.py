@@ -56,6 +56,57 @@ def test_strip_router_fields_drops_only_inert_values():
     assert strip_router_fields("/v1/completions", {"foo": 1}, names) == {"foo": 1}
 
 
+def test_router_fields_middleware():
+    """The ASGI wrapper hands the endpoint the stripped body, answers 400 itself for a
+    non-inert value, and stops buffering past --max-request-bytes (the endpoint's 413)."""
+    import asyncio
+    import json as jsonlib
+    from types import SimpleNamespace
+
+    from plait.frontend.router_compat import RouterFields
+
+    async def endpoint(scope, receive, send):
+        chunks = []
+        while True:
+            m = await receive()
+            chunks.append(m.get("body", b""))
+            if not m.get("more_body"):
+                break
+        seen.append(b"".join(chunks))
+
+    def call(chunks: list[bytes], limit: int = 1 << 20) -> list[dict]:
+        app = SimpleNamespace(
+            state=SimpleNamespace(
+                model_names=["plait-tiny"], args=SimpleNamespace(max_request_bytes=limit)
+            )
+        )
+        scope = {"type": "http", "method": "POST", "path": "/generate", "app": app}
+        pending = [
+            {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+            for i, c in enumerate(chunks)
+        ]
+        sent: list[dict] = []
+
+        async def receive():
+            return pending.pop(0)
+
+        async def send(m):
+            sent.append(m)
+
+        asyncio.run(RouterFields(endpoint)(scope, receive, send))
+        return sent
+
+    seen: list[bytes] = []
+    body = jsonlib.dumps({"text": "hi", "background": False, "log_metrics": True}).encode()
+    assert call([body[:10], body[10:]]) == []
+    assert jsonlib.loads(seen[-1]) == {"text": "hi"}
+    sent = call([jsonlib.dumps({"text": "hi", "background": True}).encode()])
+    assert sent[0]["status"] == 400 and b"background" in sent[1]["body"]
+    big = [b"x" * 600, b"y" * 600, b"z" * 600]
+    assert call(big, limit=1000) == []
+    assert seen[-1] == b"".join(big)  # passed through untouched, for the endpoint to refuse
+
+
 def test_replica_ports_and_router_command():
     args = ServerArgs(port=40000, dp_size=3, router=True, router_policy="round_robin")
     replicas = [replica_args(args, i) for i in range(3)]
