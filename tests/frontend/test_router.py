@@ -102,6 +102,9 @@ def test_router_fields_middleware():
     assert jsonlib.loads(seen[-1]) == {"text": "hi"}
     sent = call([jsonlib.dumps({"text": "hi", "background": True}).encode()])
     assert sent[0]["status"] == 400 and b"background" in sent[1]["body"]
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"text": "x"', b"\xff\xfe"):
+        assert call([raw]) == []  # unparsable: untouched, for the endpoint's 400
+        assert seen[-1] == raw
     big = [b"x" * 600, b"y" * 600, b"z" * 600]
     assert call(big, limit=1000) == []
     assert seen[-1] == b"".join(big)  # passed through untouched, for the endpoint to refuse
