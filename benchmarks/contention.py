@@ -50,7 +50,7 @@ _PLAIT = """
 import sys
 import plait
 from benchmarks import workloads as wl
-from plait.runtime.models import ModelConfig
+from plait.models.config import ModelConfig
 model = sys.argv[1]
 w = wl.decode(ModelConfig.from_dir(model).vocab_size, n=16, prompt_len=128, out=64)
 with plait.Engine(model, log_level="warning") as eng:
@@ -96,22 +96,20 @@ def _engines(names: set[str], model: str, workload: wl.SuiteWorkload, args) -> l
 
         engines.append(PlaitEngine("plait", model, log_level="warning"))
     if "vllm" in names:
-        from benchmarks import peers
         from benchmarks.run import LOGS, PeerWorker
 
         LOGS.mkdir(parents=True, exist_ok=True)
         worker = PeerWorker(model, {workload.name: workload}, args.vllm_kv_gib, args.peers_venv,
                             LOGS / "vllm-contention.log")
-        vllm = [e for e in worker.engines() if "prefix cache on" in e.name][0]
+        vllm = next(e for e in worker.engines() if "prefix cache on" in e.name)
         vllm.close = worker.close  # the worker holds the engine
         engines.append(vllm)
-        del peers
     return engines
 
 
 def measure(args) -> dict:
-    from plait.runtime.default_model import ensure_checkpoint
-    from plait.runtime.models import ModelConfig
+    from plait.models.embedded import ensure_checkpoint
+    from plait.models.config import ModelConfig
 
     model = args.model if Path(args.model).is_dir() else str(ensure_checkpoint(args.model))
     w = wl.suite(ModelConfig.from_dir(model).vocab_size, quick=args.quick)[args.workload]

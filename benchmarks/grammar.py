@@ -142,7 +142,7 @@ def long_strings(model: str, backend: str, n: int = 8, max_tokens: int = 48) -> 
     """Per-token cost of long-maxLength schemas against unconstrained requests."""
     import plait
 
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     prompts = wl.json_constrained(ModelConfig.from_dir(model).vocab_size, n=n).prompts
     out: dict = {}

@@ -156,9 +156,7 @@ class LlamaCppPeer:
                     out.append(tok)
                     if len(out) >= max_new_tokens:
                         break
-            if grammar is not None:
-                grammar.reset()
-            outs.append(out)
+            outs.append(out)  # (generate() builds a fresh sampler, grammar state included)
         return outs
 
     def step_time(self, context: int, steps: int) -> float:
@@ -196,7 +194,7 @@ def llamacpp_step(gguf: str, context: int, steps: int, threads: int,
             f"p = LlamaCppPeer('x', {gguf!r}, {context + steps + 16}, {threads}); "
             f"print(json.dumps(p.step_time({context}, {steps})))")
     r = subprocess.run([str(peer_python(venv)), "-c", code], capture_output=True, text=True,
-                       env=peer_env(venv), cwd=HERE.parent)
+                       env=peer_env(venv), cwd=HERE.parent, check=False)
     if r.returncode != 0:
         print(f"peers: llama.cpp step failed: {r.stderr[-500:]}", file=sys.stderr)
         return None
@@ -204,10 +202,11 @@ def llamacpp_step(gguf: str, context: int, steps: int, threads: int,
 
 
 def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
-                    sdist_dir: Path | None = None) -> Path:
+                    sdist_dir: Path | None = None, python: str | None = None) -> Path:
     """An F32/F16 GGUF of a Hugging Face checkpoint, made by llama.cpp's own converter
     (convert_hf_to_gguf.py and its gguf-py, from the llama-cpp-python sdist that setup_peers.sh
-    keeps next to the wheel)."""
+    keeps next to the wheel). It needs torch, transformers, numpy and sentencepiece: the peers'
+    venv has them (setup_peers.sh); `python` picks another interpreter."""
     import subprocess
     import tarfile
     import tempfile
@@ -219,12 +218,22 @@ def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
     with tarfile.open(sdists[-1]) as tar:
         members = [m for m in tar.getmembers()
                    if "/vendor/llama.cpp/convert_hf_to_gguf.py" in m.name
-                   or "/vendor/llama.cpp/gguf-py/" in m.name]
+                   or "/vendor/llama.cpp/gguf-py/" in m.name
+                   or "/vendor/llama.cpp/conversion/" in m.name]
         tar.extractall(tmp, members=members, filter="data")
     script = next(tmp.rglob("convert_hf_to_gguf.py"))
-    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py")}
-    subprocess.run([sys.executable, str(script), hf_dir, "--outtype", outtype, "--outfile", out],
-                   check=True, env=env)
+    # the converter imports its own gguf-py and conversion/ from beside itself
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(script.parent), str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH")]))}
+    if python is None:
+        python = str(peer_python()) if peer_python().exists() else sys.executable
+    try:
+        subprocess.run([python, str(script), hf_dir, "--outtype", outtype,
+                        "--outfile", out], check=True, env=env)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     return Path(out)
 
 

@@ -97,7 +97,7 @@ def plait_step(model: str, batch: int, context: int, steps: int, repeats: int) -
     import random
 
     import plait
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     vocab = ModelConfig.from_dir(model).vocab_size
     rng = random.Random(batch)
@@ -131,14 +131,14 @@ def resolve_model(name: str | None) -> str:
         name = str(DEFAULT_HF) if (DEFAULT_HF / "config.json").exists() else "plait-tiny"
     if Path(name).is_dir():
         return name
-    from plait.runtime.default_model import ensure_checkpoint
+    from plait.models.embedded import ensure_checkpoint
 
     return str(ensure_checkpoint(name))
 
 
 def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
         peers_wanted: set[str], gguf: str | None) -> dict:
-    from plait.runtime.models import ModelConfig
+    from plait.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model)
     bandwidth = copy_bandwidth()

@@ -61,7 +61,8 @@ setup_llamacpp() {
         wheel=$(ls "$WHEELS"/llama_cpp_python-"${LLAMA_PIN#*==}"-*.whl | head -1)
         echo "setup_peers: built $wheel in $(( $(date +%s) - t0 )) s" >&2
     fi
-    "${pip[@]}" install -q "$wheel" numpy jsonschema gguf
+    # sentencepiece: llama.cpp's HF -> GGUF converter (benchmarks/peers.py --convert) imports it
+    "${pip[@]}" install -q "$wheel" numpy jsonschema gguf sentencepiece
     "$VENV/bin/python" -c "import llama_cpp; print('setup_peers: llama_cpp', llama_cpp.__version__)"
 }
 

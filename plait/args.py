@@ -13,22 +13,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.models.resolve import DEFAULT_MODEL
+from plait.registry import ATTENTION_BACKENDS, GRAMMAR_BACKENDS, SCHEDULE_POLICIES, Registry
 
-SCHEDULE_POLICIES = ("lpm", "fcfs")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashattn")
-GRAMMAR_BACKENDS = ("xgrammar", "outlines")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+GRAMMAR_ISOLATIONS = ("thread", "process")
+# `plait serve` reads the API key from here when --api-key is not given (plait.Runtime uses it)
+API_KEY_ENV = "PLAIT_API_KEY"
 # sglang-router's --policy choices that need nothing but worker URLs (plait/frontend/replicas.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
-def _opt(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
-    meta = {"help": help}
+def _choices(registry_: Registry, *extra: str):
+    """Choices read from a registry when asked (parts registered later are included)."""
+    return lambda: (*extra, *registry_.names())
+
+
+def _choice_names(choices: Any) -> tuple[str, ...]:
+    return tuple(choices()) if callable(choices) else tuple(choices)
+
+
+def _opt(
+    default: Any, help: str, choices: Any = None, flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+):
+    meta: dict[str, Any] = {"help": help}
     if choices:
         meta["choices"] = choices
     if flag:
         meta["flag"] = flag
+    if aliases:
+        meta["aliases"] = aliases
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -47,7 +62,10 @@ class ServerArgs:
     served_model_name: str | None = _opt(None, "model name reported by the API (default: path)")
     host: str = _opt("127.0.0.1", "HTTP host to bind")
     port: int = _opt(30000, "HTTP port to bind")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
+    api_key: str | None = _opt(
+        None, "require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+        f"{API_KEY_ENV} environment variable, which keeps the key out of `ps`)",
+    )
     api_key_file: str | None = _opt(
         None,
         "JSON file of API keys: {KEY: {name, rpm, tpm, priority}} (requests and tokens per "
@@ -83,18 +101,32 @@ class ServerArgs:
     )
     chunked_prefill_size: int = _opt(2048, "maximum tokens prefilled in one step (chunked prefill)")
     disable_radix_cache: bool = _opt(False, "turn off prefix reuse (same interface, no sharing)")
-    schedule_policy: str = _opt("lpm", "lpm: longest prefix match first; fcfs", SCHEDULE_POLICIES)
-    attention_backend: str = _opt("auto", "attention kernels (auto: triton on CUDA, torch on CPU)", ATTENTION_BACKENDS)
-    grammar_backend: str = _opt("xgrammar", "constrained-decoding backend", GRAMMAR_BACKENDS)
+    schedule_policy: str = _opt(
+        "lpm", "lpm: longest prefix match first; fcfs (both by priority first)",
+        _choices(SCHEDULE_POLICIES),
+    )
+    attention_backend: str = _opt(
+        "auto", "attention kernels (auto: triton on CUDA, torch on CPU)",
+        _choices(ATTENTION_BACKENDS, "auto"),
+    )
+    grammar_backend: str = _opt(
+        "xgrammar", "constrained-decoding backend", _choices(GRAMMAR_BACKENDS)
+    )
     grammar_compile_timeout: float = _opt(5.0, "seconds before a constraint compile fails the request")
     grammar_cache_dir: str | None = _opt(None, "persist compiled grammars here (survives restarts)")
     grammar_isolation: str = _opt(
         "thread", "run compiles on threads, or in child processes killed at the timeout",
-        ("thread", "process"),
+        GRAMMAR_ISOLATIONS,
     )
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
-    num_threads: int | None = _opt(None, "torch CPU threads in the scheduler (default: all cores)")
+    num_threads: int | None = _opt(
+        None, "torch CPU threads in the scheduler (default: all cores, split between TP ranks)"
+    )
+    tp_size: int = _opt(
+        1, "tensor parallelism: split the model's heads, MLP and vocabulary over N processes "
+        "(rank 0 schedules; gloo on CPU, NCCL on CUDA)", flag="--tp", aliases=("--tp-size",),
+    )
     disable_cpu_prepack: bool = _opt(
         False, "on CPU, run the logits and large projections on torch's plain weights instead of "
         "oneDNN-prepacked ones (the logits copy costs one extra output embedding of memory)",
@@ -118,19 +150,16 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
-        checks = {
-            "schedule_policy": SCHEDULE_POLICIES,
-            "attention_backend": ATTENTION_BACKENDS,
-            "grammar_backend": GRAMMAR_BACKENDS,
-            "grammar_isolation": ("thread", "process"),
-            "dtype": DTYPES,
-            "log_level": LOG_LEVELS,
-            "router_policy": ROUTER_POLICIES,
-        }
-        for name, allowed in checks.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("max_running_requests", "max_queued_requests", "chunked_prefill_size", "stream_interval", "dp_size"):
+        for f in dataclasses.fields(self):
+            if "choices" not in f.metadata:
+                continue
+            allowed = _choice_names(f.metadata["choices"])
+            if getattr(self, f.name) not in allowed:
+                raise ValueError(
+                    f"{f.name}: must be one of {', '.join(allowed)}, got {getattr(self, f.name)!r}"
+                )
+        for name in ("max_running_requests", "max_queued_requests", "chunked_prefill_size",
+                     "stream_interval", "tp_size", "dp_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -194,10 +223,10 @@ class ServerArgs:
                 kwargs["type"] = _cli_type(f.type)
                 kwargs["default"] = f.default
                 if "choices" in f.metadata:
-                    kwargs["choices"] = f.metadata["choices"]
+                    kwargs["choices"] = _choice_names(f.metadata["choices"])
                 if "default:" not in kwargs["help"]:
                     kwargs["help"] += f" (default: {f.default})"
-            names = [flag]
+            names = [flag, *f.metadata.get("aliases", ())]
             if flag == "--model":
                 names.append("--model-path")
             parser.add_argument(*names, **kwargs)
@@ -205,7 +234,10 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        values = {k: v for k, v in vars(ns).items() if k in names}
+        if values.get("api_key") is None and os.environ.get(API_KEY_ENV):
+            values["api_key"] = os.environ[API_KEY_ENV]
+        return cls(**values)
 
 
 def _cli_type(annotation: str) -> Any:

@@ -31,7 +31,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     arrival_time: float = 0.0
-    priority: int = 0  # higher is served sooner
+    priority: int = 0  # higher is scheduled sooner (waiting requests age; see schedule_policy)
 
 
 @dataclass
@@ -71,7 +71,8 @@ class BatchTokenOut:
     output_top_logprobs: list[list[list[list[Any]]]]
     input_token_logprobs: list[list[list[Any]] | None]
     input_top_logprobs: list[list[list[list[Any]]] | None]
-    spec_info: list[dict[str, Any]] = field(default_factory=list)  # per-req extra meta (forced tokens)
+    # per-request meta_info extras (forced_tokens, queue_time), merged into the response as is
+    extra_meta: list[dict[str, Any]] = field(default_factory=list)
     stop_strs: list[list[str]] = field(default_factory=list)  # for trimming and hold-back
 
 
@@ -91,7 +92,7 @@ class BatchStrOut:
     output_top_logprobs: list[list[list[list[Any]]]]
     input_token_logprobs: list[list[list[Any]] | None]
     input_top_logprobs: list[list[list[list[Any]]] | None]
-    spec_info: list[dict[str, Any]] = field(default_factory=list)
+    extra_meta: list[dict[str, Any]] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ control replies

@@ -1,14 +1,14 @@
-"""Entry point of plait's child processes: `python -m plait.frontend.child ROLE CONFIG_JSON FD`.
+"""Entry point of plait's child processes: `python -m plait.frontend.child ROLE FD`.
 
 Children are started with subprocess rather than multiprocessing so that a user's script is
 never re-imported (no `if __name__ == "__main__"` requirement) and nothing is forked from a
-process whose threads are running. Readiness (or the start-up error) is written as one JSON
-document to the inherited pipe FD.
+process whose threads are running. The configuration (JSON) arrives on stdin, not in argv,
+which any user can read (/proc/PID/cmdline). Readiness (or the start-up error) is written as
+one JSON document to the inherited pipe FD.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -47,24 +47,28 @@ class ReadyPipe:
 
 
 def main() -> None:
-    role, config, fd = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    role, fd = sys.argv[1], int(sys.argv[2])
+    config = json.loads(sys.stdin.buffer.read())
+    sys.stdin.close()
     ready = ReadyPipe(fd)
     _exit_with_parent(os.getppid())
     if role == "scheduler":
         from plait.runtime.scheduler_process import run_scheduler_process
 
         args = ServerArgs(**config["args"])
-        run_scheduler_process(args, config["model_path"], config["input"], config["output"], ready)
+        run_scheduler_process(args, config["model_path"], config["input"], config["output"], ready,
+                              config.get("tp_init"))
+    elif role == "tp_worker":  # a tensor-parallel rank > 0
+        from plait.runtime.tp_worker import run_tp_worker
+
+        args = ServerArgs(**config["args"])
+        run_tp_worker(args, config["model_path"], config["rank"], config["tp_init"], ready)
     elif role == "detokenizer":
         from plait.frontend.detokenizer import run_detokenizer_process
 
         run_detokenizer_process(config["tokenizer_path"], config["input"], config["output"], ready)
     else:
         raise SystemExit(f"unknown role {role!r}")
-
-
-def args_to_json(args: ServerArgs) -> dict:
-    return dataclasses.asdict(args)
 
 
 if __name__ == "__main__":

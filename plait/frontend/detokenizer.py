@@ -14,7 +14,14 @@ from typing import Any
 
 import zmq
 
-from plait.messages import BatchStrOut, BatchTokenOut, MessageReceiver, MessageSender
+from plait.matching import stop_search_start
+from plait.messages import (
+    BatchStrOut,
+    BatchTokenOut,
+    MessageReceiver,
+    MessageSender,
+    RequestErrorOut,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,21 +40,28 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
 
-    def handle(self, msg: Any) -> Any:
+    def handle(self, msg: Any) -> list[Any]:
+        """The messages to forward for msg: text for token output (plus an error for each
+        request whose text could not be made), anything else unchanged."""
+        if isinstance(msg, RequestErrorOut):  # the request failed: its text state goes too
+            self.states.pop(msg.rid, None)
+            return [msg]
         if not isinstance(msg, BatchTokenOut):
-            return msg
-        deltas = []
+            return [msg]
+        keep, deltas, errors = [], [], []
         for i, rid in enumerate(msg.rids):
-            deltas.append(self._step(rid, msg, i))
-        return BatchStrOut(
-            rids=msg.rids, text_deltas=deltas, new_token_ids=msg.new_token_ids,
-            finished_reasons=msg.finished_reasons, prompt_tokens=msg.prompt_tokens,
-            completion_tokens=msg.completion_tokens, cached_tokens=msg.cached_tokens,
-            output_token_logprobs=msg.output_token_logprobs,
-            output_top_logprobs=msg.output_top_logprobs,
-            input_token_logprobs=msg.input_token_logprobs,
-            input_top_logprobs=msg.input_top_logprobs, spec_info=msg.spec_info,
-        )
+            try:
+                deltas.append(self._step(rid, msg, i))
+                keep.append(i)
+            except Exception as e:  # one request's output; the others go on
+                logger.exception("detokenizing request %s failed", rid)
+                self.states.pop(rid, None)
+                errors.append(RequestErrorOut(rid, f"internal error in detokenization: "
+                                              f"{type(e).__name__}: {e}", 500))
+        out: list[Any] = errors
+        if keep:
+            out.append(_text_out(msg, keep, deltas))
+        return out
 
     def _step(self, rid: str, msg: BatchTokenOut, i: int) -> str:
         st = self.states.setdefault(rid, DecodeState())
@@ -60,7 +74,10 @@ class Detokenizer:
             text = self.tokenizer.decode(st.ids, skip_special_tokens=skip)
             matched = finished.get("matched")
             if isinstance(matched, str) and not msg.no_stop_trim[i]:
-                cut = text.find(matched)
+                # the match ends in the last token's text (the scheduler stops there); an
+                # earlier occurrence (before min_new_tokens) is output, not a stop
+                before = self.tokenizer.decode(st.ids[:-1], skip_special_tokens=skip)
+                cut = text.find(matched, stop_search_start(before, matched))
                 if cut >= 0:
                     text = text[:cut]
             return text[st.sent :]
@@ -76,6 +93,21 @@ class Detokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             st.text += full[len(prefix) :]
             st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
+
+
+def _text_out(msg: BatchTokenOut, keep: list[int], deltas: list[str]) -> BatchStrOut:
+    def pick(values: list) -> list:
+        return [values[i] for i in keep] if values else values
+
+    return BatchStrOut(
+        rids=pick(msg.rids), text_deltas=deltas, new_token_ids=pick(msg.new_token_ids),
+        finished_reasons=pick(msg.finished_reasons), prompt_tokens=pick(msg.prompt_tokens),
+        completion_tokens=pick(msg.completion_tokens), cached_tokens=pick(msg.cached_tokens),
+        output_token_logprobs=pick(msg.output_token_logprobs),
+        output_top_logprobs=pick(msg.output_top_logprobs),
+        input_token_logprobs=pick(msg.input_token_logprobs),
+        input_top_logprobs=pick(msg.input_top_logprobs), extra_meta=pick(msg.extra_meta),
+    )
 
 
 def _holdback(text: str, stops: list[str]) -> int:
@@ -110,4 +142,5 @@ def run_detokenizer_process(tokenizer_path: str, input_addr: str, output_addr: s
     finally:
         ready_conn.close()
     while True:
-        sender.send(detok.handle(receiver.recv()))
+        for out in detok.handle(receiver.recv()):
+            sender.send(out)

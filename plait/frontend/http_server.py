@@ -360,7 +360,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def launch_server(args: ServerArgs) -> None:
     """Start the runtime's processes, then serve HTTP until SIGINT/SIGTERM; every child is
     stopped on the way out."""
-    from plait.frontend.launch import launch_with_tokenizer
+    from plait.frontend.launch import CHILD_DEATH_EXIT_S, launch_with_tokenizer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s frontend %(levelname)s %(message)s"
@@ -381,7 +381,11 @@ def launch_server(args: ServerArgs) -> None:
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5,  # fail_in_flight comes first
             timeout_keep_alive=KEEP_ALIVE_S,
         )
-        _Server(config, app, args.url).run(sockets=[sock])
+        server = _Server(config, app, args.url)
+        # a dead child stops the server, and `plait serve` exits non-zero (launch.py)
+        runtime.supervise(lambda _: setattr(server, "should_exit", True), CHILD_DEATH_EXIT_S)
+        server.run(sockets=[sock])
+        runtime.exit_if_failed()
     finally:
         sock.close()
         if runtime is not None:

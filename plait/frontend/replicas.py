@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -31,7 +32,7 @@ from collections.abc import Callable
 
 import httpx
 
-from plait.args import ServerArgs
+from plait.args import API_KEY_ENV, ServerArgs
 from plait.frontend.runtime import cli_flags, free_port
 
 logger = logging.getLogger("plait.replicas")
@@ -110,8 +111,11 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------ processes
     def _popen(self, cmd: list[str]) -> subprocess.Popen:
+        env = dict(os.environ)
+        if self.args.api_key:  # replicas read it from the environment, out of `ps` (the
+            env[API_KEY_ENV] = self.args.api_key  # router only takes it as --api-key)
         # preexec_fn is safe here: the supervisor runs no threads
-        return subprocess.Popen(cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
 
     def start_replica(self, r: Replica) -> None:
         logger.info("replica %d: starting on %s", r.index, r.url)

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from plait.args import ServerArgs
+from plait.args import API_KEY_ENV, ServerArgs
 
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 20.0
@@ -45,8 +45,12 @@ class Runtime:
         self.url = self.args.url
         self.api_key = self.args.api_key
         self._log = open(log_file, "ab") if log_file else None  # noqa: SIM115 - closed in shutdown
+        env = dict(os.environ)
+        if self.api_key:  # through the environment: argv is visible to every user (`ps`)
+            env[API_KEY_ENV] = self.api_key
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "plait", "serve", *cli_flags(self.args)],
+            env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT if self._log else None,
             start_new_session=True,
@@ -107,11 +111,12 @@ class Runtime:
 
 
 def cli_flags(args: ServerArgs) -> list[str]:
-    """The `plait serve` flags that reproduce `args` (fields left at their default omitted)."""
+    """The `plait serve` flags that reproduce `args` (fields left at their default omitted).
+    The API key is never a flag: pass it in the PLAIT_API_KEY environment variable."""
     flags: list[str] = []
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
-        if value == f.default:
+        if value == f.default or f.name == "api_key":
             continue
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

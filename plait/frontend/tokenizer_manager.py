@@ -261,7 +261,7 @@ class TokenizerManager:
                 "prompt_tokens": msg.prompt_tokens[i],
                 "completion_tokens": msg.completion_tokens[i],
                 "cached_tokens": msg.cached_tokens[i],
-                **(msg.spec_info[i] if msg.spec_info else {}),
+                **(msg.extra_meta[i] if msg.extra_meta else {}),
             }
             state.finished_reason = msg.finished_reasons[i]
             if state.finished_reason is not None:

@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from plait.registry import GRAMMAR_BACKENDS
+
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices")
 
 
@@ -108,6 +110,30 @@ class GrammarBackend(ABC):
         """Names the engine version and options: cached grammars of another fingerprint are
         never loaded."""
         return self.name
+
+
+def create_grammar_backend(
+    name: str, tokenizer, vocab_size: int, eos_token_ids: list[int], **options
+) -> GrammarBackend:
+    """The backend registered as `name` (plait.registry.GRAMMAR_BACKENDS), built for this
+    vocabulary; ValueError naming the known backends for an unknown name."""
+    backend_cls = GRAMMAR_BACKENDS.load(name)
+    return backend_cls(tokenizer, vocab_size, list(eos_token_ids), **options)
+
+
+def check_satisfiable(grammar: CompiledGrammar, kind: str, vocab_size: int) -> None:
+    """GrammarError (naming the constraint's field) if the constraint accepts no string at all
+    (`{"$ref": "#"}`, a `$ref` cycle without a base case, `root ::= root "a"`): its first
+    mask allows no token and it is not already complete. Emptiness that appears only after
+    some tokens is caught when sampling (the request fails: no continuation)."""
+    matcher = grammar.matcher()
+    if matcher.is_terminated() or matcher.can_terminate():
+        return
+    mask = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
+    matcher.fill_bitmask(mask, 0)
+    if not bool((mask != 0).any()):
+        raise GrammarError(f"{kind}: the constraint accepts no string (nothing can be generated)",
+                           kind)
 
 
 def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:

@@ -44,8 +44,7 @@ def write_json(stream: BinaryIO, message: dict) -> None:
 def main() -> int:
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # stray prints from libraries must not corrupt the frames
-    from plait.grammar.base import GrammarError
-    from plait.grammar.manager import create_grammar_backend
+    from plait.grammar.base import GrammarError, create_grammar_backend
 
     try:
         spec = pickle.loads(read_frame(requests) or b"")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -33,41 +32,31 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plait.grammar.base import CompiledGrammar, GrammarBackend, GrammarError
+from plait.grammar.base import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    check_satisfiable,
+    create_grammar_backend,
+)
 from plait.grammar.kinds import canonical_spec
 from plait.grammar.workers import TIMED_OUT, BackendSpec, ProcessWorker, ThreadWorker
+from plait.registry import GRAMMAR_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-# name -> (module, class), imported on first use so a missing optional engine fails only then
-GRAMMAR_BACKENDS: dict[str, tuple[str, str]] = {
-    "xgrammar": ("plait.grammar.xgrammar_backend", "XGrammarBackend"),
-    "outlines": ("plait.grammar.outlines_backend", "OutlinesBackend"),
-}
 # how long a worker waits for lingering (abandoned) thread compiles before failing its job
 SATURATED_WAIT = 60.0
 HISTOGRAM_BOUNDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _STOP = object()
 
 
-def create_grammar_backend(
-    name: str, tokenizer, vocab_size: int, eos_token_ids: list[int], **options
-) -> GrammarBackend:
-    if name not in GRAMMAR_BACKENDS:
-        raise ValueError(
-            f"unknown grammar backend {name!r} (known: {', '.join(sorted(GRAMMAR_BACKENDS))})"
-        )
-    module, cls = GRAMMAR_BACKENDS[name]
-    backend_cls = getattr(importlib.import_module(module), cls)
-    return backend_cls(tokenizer, vocab_size, list(eos_token_ids), **options)
-
-
 def grammar_backend_features() -> dict[str, dict]:
     """What each installed backend enforces (GET /get_server_info's `grammar_backends`)."""
     out: dict[str, dict] = {}
-    for name, (module, cls) in GRAMMAR_BACKENDS.items():
+    for name in GRAMMAR_BACKENDS.names():
         try:
-            out[name] = getattr(importlib.import_module(module), cls).supported_features()
+            out[name] = GRAMMAR_BACKENDS.load(name).supported_features()
         except ImportError as e:
             out[name] = {"error": f"not installed ({e})"}
     return out
@@ -171,11 +160,7 @@ class GrammarManager:
         max_cached: int = 256,
         **backend_options,
     ) -> None:
-        if backend_name not in GRAMMAR_BACKENDS:
-            raise ValueError(
-                f"unknown grammar backend {backend_name!r} "
-                f"(known: {', '.join(sorted(GRAMMAR_BACKENDS))})"
-            )
+        GRAMMAR_BACKENDS.target(backend_name)  # ValueError naming the known ones
         if isolation not in ("process", "thread"):
             raise ValueError(f"isolation must be 'process' or 'thread', got {isolation!r}")
         self.backend_name = backend_name
@@ -189,7 +174,7 @@ class GrammarManager:
         self._stats = _Stats()
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
-        self._spec = BackendSpec(backend_name, GRAMMAR_BACKENDS[backend_name][0], tokenizer,
+        self._spec = BackendSpec(backend_name, GRAMMAR_BACKENDS.target(backend_name)[0], tokenizer,
                                  vocab_size, list(eos_token_ids), backend_options)
         # this process's backend (deserializes, makes matchers) is built off the caller too:
         # vocabulary tables take ~0.5 s on a 100k vocabulary
@@ -300,6 +285,10 @@ class GrammarManager:
         started = time.monotonic()
         try:
             outcome = self._outcome(job, compiler)
+            if isinstance(outcome, CompiledGrammar):  # cached as refused, like any bad spec
+                check_satisfiable(outcome, job.kind, self._spec.vocab_size)
+        except GrammarError as e:
+            outcome = e
         except Exception as e:
             logger.exception("grammar job failed: %s %.80r", job.kind, job.spec)
             outcome = GrammarError(f"{job.kind}: internal error while compiling ({e})", job.kind)

@@ -133,6 +133,9 @@ _SCHEMA_NOTES = [
     "oneOf only when its branches cannot overlap; allOf when its branches merge exactly",
     "pattern is matched against the whole string; minLength/maxLength combine with a pattern "
     "that has one variable-length part",
+    "a maxLength more than 32 above minLength is enforced on the raw JSON text: an escape "
+    "(\\n, \\u00XX) counts its 2 or 6 characters, so strings with escapes may end shorter "
+    "than maxLength allows (never longer)",
     "multipleOf on whole numbers only; uniqueItems only when maxItems <= 1",
 ]
 _REGEX_NOTES = {

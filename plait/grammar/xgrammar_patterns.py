@@ -39,7 +39,7 @@ _JSON_CHAR_ALT = re.compile(
     r'|"\\\\" "(?:[bfnrt/]|\\"|\\\\)"'  # a short escape: \n, \", \\ ...
     r'|"\\\\" "u"(?: ' + _ONE + r'){4}'  # \uXXXX
 )
-_RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$", re.M)
+_RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$", re.MULTILINE)
 _COUNTED = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\{(\d+), (\d+)\}")
 
 

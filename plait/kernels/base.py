@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plait.registry import ATTENTION_BACKENDS
+
 if TYPE_CHECKING:
     from plait.radix_cache.kv_pool import KVPool
 
@@ -104,16 +106,9 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor: ...
 
 
-# name -> "module:Class"; imported on first use
-_BACKENDS: dict[str, str] = {
-    "torch": "plait.kernels.torch_backend:TorchAttnBackend",
-    "triton": "plait.kernels.triton_backend:TritonAttnBackend",
-    "flashattn": "plait.kernels.flashattn_backend:FlashAttnBackend",
-}
-
-
 def register_attention_backend(name: str, target: str) -> None:
-    _BACKENDS[name] = target
+    """Make `target` ("module:Class", an AttentionBackend) selectable as --attention-backend."""
+    ATTENTION_BACKENDS.register(name, target)
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -125,11 +120,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 def create_attention_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
 ) -> AttentionBackend:
-    if name not in _BACKENDS:
-        raise ValueError(
-            f"attention_backend: unknown backend {name!r} (known: {', '.join(sorted(_BACKENDS))})"
-        )
-    module_name, cls_name = _BACKENDS[name].split(":")
+    module_name, cls_name = ATTENTION_BACKENDS.target(name)  # ValueError for an unknown name
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -14,6 +14,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from plait.matching import common_prefix_len
+
 SENTINEL = "\u00a7PLAIT_MESSAGE\u00a7"
 _FILLER = "x"
 # Histories to fall back on when a template refuses the real one (strict alternation, ...).
@@ -110,7 +112,7 @@ class ChatTemplate:
         history = [{"role": r, "content": _FILLER} for r in roles]
         before = self.render(history, False) if history else ""
         after = self.render(history + [{"role": role, "content": SENTINEL}], False)
-        start = _common_prefix_len(before, after)
+        start = common_prefix_len(before, after)
         delta = after[start:]
         if SENTINEL not in delta:
             raise ValueError("the template drops or rewrites the message content")
@@ -146,11 +148,3 @@ class PlainChatTemplate(ChatTemplate):
     def _render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         text = "".join(f"{m['role'].upper()}: {m['content']}\n" for m in messages)
         return text + ("ASSISTANT: " if add_generation_prompt else "")
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from plait.lang.executor import TextState
 from plait.lang.ir import Expr, ExprList, to_expr
+from plait.matching import common_prefix_len
 
 if TYPE_CHECKING:
     from plait.lang.backends.base import Backend
@@ -119,14 +120,16 @@ def plan_batch(fn: Function, backend: Backend, items: list[dict[str, Any]]) -> B
     order = sorted(range(len(items)), key=prefixes.__getitem__)
     if len(order) < 2:
         return BatchPlan(order)
-    common = prefixes[order[0]][: _lcp(prefixes[order[0]], prefixes[order[-1]])]
+    common = prefixes[order[0]][: common_prefix_len(prefixes[order[0]], prefixes[order[-1]])]
     plan = BatchPlan(order, _word_boundary(common))
     if len(plan.common_prefix) < MIN_PREFIX_CHARS:
         plan.common_prefix = ""
     floor = len(common) + MIN_GROUP_EXTRA_CHARS
     start, shared = 0, len(prefixes[order[0]])
     for j in range(1, len(order) + 1):
-        lcp = _lcp(prefixes[order[j - 1]], prefixes[order[j]]) if j < len(order) else -1
+        lcp = -1
+        if j < len(order):
+            lcp = common_prefix_len(prefixes[order[j - 1]], prefixes[order[j]])
         if min(shared, lcp) >= floor:
             shared = min(shared, lcp)
             continue
@@ -137,14 +140,6 @@ def plan_batch(fn: Function, backend: Backend, items: list[dict[str, Any]]) -> B
                 plan.group_prefix[k] = prefix
         start, shared = j, len(prefixes[order[j]]) if j < len(order) else 0
     return plan
-
-
-def _lcp(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _word_boundary(prefix: str) -> str:

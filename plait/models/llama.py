@@ -159,6 +159,13 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # tensor parallelism (plait.runtime.parallel): how each checkpoint module splits over ranks
+    tp_plan = {
+        "q_proj": "column", "k_proj": "kv_heads", "v_proj": "kv_heads",
+        "gate_proj": "column", "up_proj": "column",
+        "o_proj": "row", "down_proj": "row",
+        "embed_tokens": "vocab", "lm_head": "vocab",
+    }
 
     def shard_sizes(self, fused: str) -> list[int]:
         cfg = self.cfg

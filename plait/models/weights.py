@@ -21,12 +21,20 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
-def load_model(path: str, cfg: ModelConfig, attn_backend, dtype: torch.dtype, device: torch.device):
+def load_model(
+    path: str, cfg: ModelConfig, attn_backend, dtype: torch.dtype, device: torch.device,
+    sharding=None,
+):
+    """sharding (plait.runtime.parallel.ModelSharding): load this tensor-parallel rank's part;
+    cfg is then the rank's local config (sharding.local_config())."""
     cls = get_model_entry(cfg.architecture).cls
     with torch.device("meta"):
         model = cls(cfg, attn_backend)
+        if sharding is not None:
+            sharding.parallelize(model, cls.tp_plan)
     model = model.to_empty(device=device)
-    load_weights(model, Path(path), dtype, device)
+    shard = None if sharding is None else (lambda n, t: sharding.shard_tensor(n, t, cls.tp_plan))
+    load_weights(model, Path(path), dtype, device, shard)
     model = model.to(dtype=dtype).eval()
     # the rotary table is computed, not loaded: build it for real after the meta-device init
     model.rotary = RotaryEmbedding(
@@ -35,9 +43,12 @@ def load_model(path: str, cfg: ModelConfig, attn_backend, dtype: torch.dtype, de
     return model
 
 
-def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device: torch.device):
+def load_weights(
+    model: torch.nn.Module, path: Path, dtype: torch.dtype, device: torch.device, shard=None
+):
     """Copy checkpoint tensors into the model, writing HF's separate q/k/v and gate/up
-    projections into their rows of the fused parameters."""
+    projections into their rows of the fused parameters. shard(name, tensor) -> the part this
+    tensor-parallel rank holds."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -52,6 +63,8 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
                     raise ValueError(f"checkpoint {path}: unexpected weight {name!r}")
                 target, rows = expected[name]
                 tensor = f.get_tensor(name)
+                if shard is not None:
+                    tensor = shard(name, tensor)
                 dest = params[target] if rows is None else params[target][rows[0] : rows[1]]
                 if tensor.shape != dest.shape:
                     raise ValueError(

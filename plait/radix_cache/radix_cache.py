@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plait.matching import common_prefix_len
+
 if TYPE_CHECKING:
     from plait.radix_cache.kv_pool import KVPool
 
@@ -42,14 +44,6 @@ class TreeNode:
     @property
     def is_leaf(self) -> bool:
         return not self.children
-
-
-def _common_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class RadixCache:
@@ -88,7 +82,7 @@ class RadixCache:
             child = node.children.get(ids[pos])
             if child is None:
                 break
-            n = _common_len(child.key, ids[pos:])
+            n = common_prefix_len(child.key, ids[pos:])
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -115,7 +109,7 @@ class RadixCache:
                 node.children[ids[pos]] = new
                 self._evictable += len(new.key)
                 return pos
-            n = _common_len(child.key, ids[pos:])
+            n = common_prefix_len(child.key, ids[pos:])
             if n < len(child.key):
                 child = self._split(child, n)
             node, pos = child, pos + n

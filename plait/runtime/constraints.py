@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from plait.args import ServerArgs
 from plait.grammar.base import GrammarError, allocate_token_bitmask
-from plait.runtime.core import Req
+from plait.runtime.core import ClosingPlan, Req, RequestFailed
 
 # start planning a closing once this few output tokens remain
 CLOSE_WINDOW = 48
@@ -67,7 +68,7 @@ class ConstraintTracker:
     def cancel(self, req: Req) -> None:
         self._pending = [(r, f) for r, f in self._pending if r is not req]
 
-    def poll(self) -> list[tuple[Req, Exception | None]]:
+    def poll(self) -> list[tuple[Req, RequestFailed | None]]:
         """Requests whose compile finished: (req, None) with req.grammar set, or (req, error)."""
         done, still = [], []
         for req, fut in self._pending:
@@ -77,8 +78,10 @@ class ConstraintTracker:
             try:
                 req.grammar = fut.result().matcher()
                 done.append((req, None))
-            except GrammarError as e:
-                done.append((req, e))
+            except GrammarError as e:  # the request's constraint: 400
+                done.append((req, RequestFailed(str(e), 400, e.param)))
+            except Exception as e:  # noqa: BLE001 - fails this request (500)
+                done.append((req, RequestFailed(f"constraint: {type(e).__name__}: {e}", 500)))
         self._pending = still
         return done
 
@@ -90,13 +93,20 @@ class ConstraintTracker:
             self._manager.shutdown()
 
     # ------------------------------------------------------------------ decoding
-    def bitmask(self, reqs: list[Req], vocab: int) -> torch.Tensor | None:
+    def bitmask(
+        self, reqs: list[Req], vocab: int, on_error: Callable[[Req, RequestFailed], None]
+    ) -> torch.Tensor | None:
+        """The batch's grammar masks [len(reqs), words]; a matcher that raises is reported to
+        on_error (its row is left empty) and the other rows are filled."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
         mask = allocate_token_bitmask(len(reqs), vocab)
         for i in rows:
-            reqs[i].grammar.fill_bitmask(mask, i)
+            try:
+                reqs[i].grammar.fill_bitmask(mask, i)
+            except Exception as e:  # noqa: BLE001 - fails this request (500)
+                on_error(reqs[i], RequestFailed(f"constraint: {type(e).__name__}: {e}", 500))
         return mask
 
     def accept(self, req: Req, token: int) -> None:
@@ -105,8 +115,7 @@ class ConstraintTracker:
             return
         if not m.accept_token(token):
             # cannot happen for masked sampling; a forced token mismatch is a bug worth surfacing
-            req.finish("error", message=f"constraint rejected token {token}")
-            return
+            raise RequestFailed(f"internal error: the constraint rejected token {token}", 500)
         if m.is_terminated():
             req.finish("stop", matched=token)
 
@@ -146,7 +155,7 @@ class ConstraintTracker:
         # the shortest-first pass only pays when the last plan was short
         shortest = not last_len or last_len <= CLOSE_SHORTEST_DEPTH
         plan = self._plan_closing(m, remaining - 1, shortest)
-        req.closing_plan = (len(plan) if plan is not None else -1, remaining)
+        req.closing_plan = ClosingPlan(len(plan) if plan is not None else -1, remaining)
         if plan is None or len(plan) + 1 + CLOSE_MARGIN < remaining:
             return []
         return plan + [self._accepted_eos(m, plan)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -12,6 +12,24 @@ from plait.kernels.base import ForwardMode
 from plait.sampling import SamplingParams
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+class ClosingPlan(NamedTuple):
+    """The grammar-closing planner's last result, so it re-plans only when the budget tightens."""
+
+    length: int | None = None  # tokens of the last plan (-1: none found; None: never planned)
+    remaining_then: int = 0  # the request's remaining new tokens when it was planned
+
+
+class RequestFailed(Exception):
+    """Serving one request failed. status 400 when the request itself is the cause (an
+    unsatisfiable constraint, parameters that make the logits non-finite), 500 otherwise;
+    param names the request field when one is to blame."""
+
+    def __init__(self, message: str, status: int = 500, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
 
 
 @dataclass(eq=False)  # requests are compared by identity (queue membership)
@@ -23,6 +41,7 @@ class Req:
     logprob_start_len: int = -1  # first prompt position whose logprob is returned (-1: none)
     top_logprobs_num: int = 0
     stream: bool = False
+    priority: int = 0  # higher is served sooner (see schedule_policy for the aging bound)
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)
@@ -30,6 +49,9 @@ class Req:
     # the first prefix_len of them are shared from the radix tree (locked at last_node).
     req_pool_idx: int | None = None
     kv_len: int = 0
+    # positions [kv_len, alloc_len) have slots allocated for the forward being run; a forward
+    # that fails leaves them uncomputed, and release() returns them to the pool
+    alloc_len: int = 0
     prefix_indices: torch.Tensor = _EMPTY
     last_node: Any = None
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
@@ -39,7 +61,7 @@ class Req:
     grammar: Any = None  # Matcher, once compiled
     forced_ids: list[int] = field(default_factory=list)  # grammar-forced tokens not yet emitted
     num_forced_tokens: int = 0
-    closing_plan: tuple[int | None, int] = (None, 0)  # (length of last closing plan, remaining then)
+    closing_plan: ClosingPlan = field(default_factory=ClosingPlan)
     finished_reason: dict[str, Any] | None = None
     sent_output_len: int = 0  # output tokens already sent to the detokenizer
 
@@ -106,10 +128,10 @@ class Batch:
     reqs: list[Req]
     extend_lens: list[int]  # new tokens of each request in this forward
     # whether each request samples a token after this forward (False for a non-final chunk)
-    sample: list[bool]
+    samples_token: list[bool]
 
     def __post_init__(self) -> None:
-        assert len(self.reqs) == len(self.extend_lens) == len(self.sample)
+        assert len(self.reqs) == len(self.extend_lens) == len(self.samples_token)
         assert all(n > 0 for n in self.extend_lens)
 
     @property

@@ -44,18 +44,25 @@ class KVManager:
         kv, node = self.cache.match_prefix(req.all_ids[: self._match_limit(req)])
         self.cache.inc_lock_ref(node)
         req.req_pool_idx, req.prefix_indices, req.last_node = idx, kv, node
-        req.kv_len = kv.numel()
+        req.kv_len = req.alloc_len = kv.numel()
         self.req_to_token.write(idx, 0, kv)
         return True
 
     def alloc(self, req: Req, n: int) -> bool:
         """n new KV slots for req's next tokens (positions kv_len..kv_len+n), evicting cache
         leaves if needed. False if even eviction cannot free enough."""
+        assert req.alloc_len == req.kv_len, "slots allocated twice for one forward"
         slots = self._alloc_slots(n)
         if slots is None:
             return False
         self.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
+        req.alloc_len = req.kv_len + n
         return True
+
+    def commit(self, req: Req, n: int) -> None:
+        """The forward computed the KV of req's next n allocated positions."""
+        assert req.kv_len + n <= req.alloc_len, "committing KV that was never allocated"
+        req.kv_len += n
 
     def _alloc_slots(self, n: int) -> torch.Tensor | None:
         if self.kv_pool.free_size < n:
@@ -75,11 +82,13 @@ class KVManager:
         the pool when the cache is off) and its request slot is freed."""
         if req.req_pool_idx is None:
             return
+        if req.alloc_len > req.kv_len:  # a forward failed: these slots hold nothing
+            self.kv_pool.free(self.req_to_token.read(req.req_pool_idx, req.alloc_len, req.kv_len))
         ids = req.all_ids[: req.kv_len]
         kv = self.req_to_token.read(req.req_pool_idx, req.kv_len)
         self.cache.cache_finished_req(ids, kv, req.prefix_len, req.last_node)
         self.req_to_token.free(req.req_pool_idx)
-        req.req_pool_idx, req.last_node, req.kv_len = None, None, 0
+        req.req_pool_idx, req.last_node, req.kv_len, req.alloc_len = None, None, 0, 0
         req.prefix_indices = torch.empty((0,), dtype=torch.int64)
 
     def flush(self) -> bool:

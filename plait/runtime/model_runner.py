@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from plait.args import ServerArgs
 from plait.kernels.base import (
     AttentionMetadata,
+    ForwardMode,
     create_attention_backend,
     resolve_backend_name,
 )
@@ -19,6 +21,7 @@ from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
 from plait.models.config import ModelConfig
 from plait.models.weights import load_model, resolve_dtype
+from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +30,47 @@ MAX_DEFAULT_POOL_TOKENS = 1 << 19
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [num_rows, vocab] float32, rows in `logit_rows` order
-    logit_rows: list[int]  # flattened token rows whose logits were computed
+    logits: torch.Tensor  # [num_rows, vocab] float32, in the order of forward()'s logit_rows
     shared_kv_tokens: int = 0  # KV rows read once for requests sharing them (per layer)
 
 
+@dataclass
+class ForwardInputs:
+    """One forward's inputs as plain integers (what rank 0 sends the other TP ranks); with the
+    req->token table they determine the forward."""
+
+    mode: ForwardMode
+    input_ids: list[int]  # [T], request after request
+    req_pool_indices: list[int]  # [B]
+    prefix_lens: list[int]  # [B] KV length before this forward
+    extend_lens: list[int]  # [B] new tokens
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+
 class ModelRunner:
-    def __init__(self, args: ServerArgs, model_path: str) -> None:
+    """Runs forwards on this process's model. With tensor parallelism (tp.size > 1) the model,
+    the attention heads and the KV pool are this rank's shard, and the logits are gathered on
+    rank 0 (other ranks get None)."""
+
+    def __init__(self, args: ServerArgs, model_path: str, tp: TPGroup | None = None) -> None:
         self.args = args
-        self.device = _resolve_device(args.device)
+        self.tp = tp or TPGroup()
+        if self.tp.size != args.tp_size:
+            raise ValueError(
+                f"tp_size: {args.tp_size} ranks need the processes plait's launcher starts "
+                f"(plait.Engine, plait serve); this runner is one of {self.tp.size}"
+            )
+        self.device = self.tp.device if self.tp.size > 1 else _resolve_device(args.device)
         self.config = ModelConfig.from_dir(model_path)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
+        # rank 0 of a TP group: hands each forward's inputs to the other ranks before running
+        self.forward_hook: Callable[[ForwardInputs, list[int]], None] | None = None
+        self.sharding = ModelSharding(self.config, self.tp) if self.tp.size > 1 else None
+        # the model as this rank builds it: its heads, MLP columns and vocabulary rows
+        local = self.sharding.local_config() if self.sharding else self.config
         cfg = self.config
         self.context_length = args.context_length or cfg.max_position_embeddings
         if cfg.sliding_window and cfg.sliding_window < self.context_length:
@@ -46,96 +79,121 @@ class ModelRunner:
         self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device)
         attn = create_attention_backend(
             self.attn_backend_name,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
+            local.num_attention_heads,
+            local.num_key_value_heads,
             cfg.head_dim,
             cfg.head_dim**-0.5,
         )
         if self.device.type == "cpu":
             tune_allocator()
-        self.model = load_model(model_path, cfg, attn, self.dtype, self.device)
+        self.model = load_model(model_path, local, attn, self.dtype, self.device, self.sharding)
         if self.device.type == "cpu" and not args.disable_cpu_prepack:
             # a copy: tied embeddings still need the plain weight for the input lookup
             self.model.packed_lm_head = pack_linear(self.model.lm_head_weight)
             pack_layer_linears(self.model.model)  # the decoder layers (not lm_head)
+            if self.sharding:
+                pack_row_parallel(self.model.model)
         self.attn_backend = attn
         pool_tokens = self._pool_size()
         self.kv_pool = KVPool(
-            pool_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+            pool_tokens, cfg.num_hidden_layers, local.num_key_value_heads, cfg.head_dim,
             self.dtype, self.device,
         )
         self.req_to_token_pool = ReqToTokenPool(
             2 * args.max_running_requests + 8, self.context_length + 8, self.device
         )
         logger.info(
-            "model %s (%s, %s) on %s; KV pool %d tokens, attention %s",
+            "model %s (%s, %s) on %s; KV pool %d tokens, attention %s%s",
             model_path, cfg.architecture, self.dtype, self.device, pool_tokens,
             self.attn_backend_name,
+            f", tensor parallel rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "",
         )
 
     def _pool_size(self) -> int:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
         cfg = self.config
-        per_token = KVPool.bytes_per_token(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype
-        )
+        kv_heads = self.sharding.num_kv_heads if self.sharding else cfg.num_key_value_heads
+        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, kv_heads, cfg.head_dim, self.dtype)
         free = _free_memory(self.device)
+        if self.device.type == "cpu":
+            free //= self.tp.size  # the ranks share the host's memory
         tokens = int(free * self.args.mem_fraction_static) // per_token
-        return max(1024, min(tokens, MAX_DEFAULT_POOL_TOKENS))
+        # every rank's pool must have the same slots: rank 0 allocates them for all
+        return self.tp.min_int(max(1024, min(tokens, MAX_DEFAULT_POOL_TOKENS)))
 
     # ------------------------------------------------------------------ forward
-    def build_metadata(self, batch: Batch) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        """Attention metadata, input ids [T] and positions [T] for one batch."""
-        ids, positions, out_loc = [], [], []
-        starts, seq_lens, prefix_lens = [], [], []
-        offset = 0
+    def prepare_inputs(self, batch: Batch) -> ForwardInputs:
+        ids: list[int] = []
         for req, ext in zip(batch.reqs, batch.extend_lens):
-            all_ids = req.all_ids
-            start = req.kv_len
-            ids.extend(all_ids[start : start + ext])
-            positions.extend(range(start, start + ext))
-            starts.append(offset)
-            prefix_lens.append(start)
-            seq_lens.append(start + ext)
-            offset += ext
-        pool_indices = [r.req_pool_idx for r in batch.reqs]
-        dev = self.device
-        for req, ext in zip(batch.reqs, batch.extend_lens):
-            out_loc.append(self.req_to_token_pool.read(req.req_pool_idx, req.kv_len + ext, req.kv_len))
-        meta = AttentionMetadata(
+            ids.extend(req.all_ids[req.kv_len : req.kv_len + ext])
+        return ForwardInputs(
             mode=batch.mode,
+            input_ids=ids,
+            req_pool_indices=[r.req_pool_idx for r in batch.reqs],
+            prefix_lens=[r.kv_len for r in batch.reqs],
+            extend_lens=list(batch.extend_lens),
+        )
+
+    def build_metadata(
+        self, inputs: ForwardInputs
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """Attention metadata, input ids [T] and positions [T] for one forward (its new KV
+        slots already written to req_to_token)."""
+        positions, out_loc, starts = [], [], []
+        seq_lens = inputs.seq_lens
+        offset = 0
+        for idx, start, end in zip(inputs.req_pool_indices, inputs.prefix_lens, seq_lens):
+            positions.extend(range(start, end))
+            starts.append(offset)
+            offset += end - start
+            out_loc.append(self.req_to_token_pool.read(idx, end, start))
+        dev = self.device
+        meta = AttentionMetadata(
+            mode=inputs.mode,
             req_to_token=self.req_to_token_pool.req_to_token,
-            req_pool_indices=torch.tensor(pool_indices, dtype=torch.int64, device=dev),
+            req_pool_indices=torch.tensor(inputs.req_pool_indices, dtype=torch.int64, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=dev),
-            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int32, device=dev),
+            prefix_lens=torch.tensor(inputs.prefix_lens, dtype=torch.int32, device=dev),
+            extend_lens=torch.tensor(inputs.extend_lens, dtype=torch.int32, device=dev),
             extend_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             out_cache_loc=torch.cat(out_loc).to(dev),
             seq_lens_cpu=seq_lens,
-            prefix_lens_cpu=prefix_lens,
-            extend_lens_cpu=list(batch.extend_lens),
+            prefix_lens_cpu=list(inputs.prefix_lens),
+            extend_lens_cpu=list(inputs.extend_lens),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return meta, input_ids, pos
 
     def forward(self, batch: Batch, logit_rows: list[int]) -> ForwardOutput:
         """Run the batch (its KV slots already written to req_to_token) and return the
         logits of the flattened token rows in logit_rows."""
-        meta, input_ids, positions = self.build_metadata(batch)
+        inputs = self.prepare_inputs(batch)
+        if self.forward_hook is not None:
+            self.forward_hook(inputs, logit_rows)
+        elif self.tp.size > 1:
+            raise RuntimeError("tensor parallel rank 0 has no forward_hook to reach the others")
+        logits, meta = self.run(inputs, logit_rows)
+        return ForwardOutput(
+            logits.cpu() if logits.device.type != "cpu" else logits,
+            self.attn_backend.shared_kv_tokens(meta),
+        )
+
+    def run(
+        self, inputs: ForwardInputs, logit_rows: list[int]
+    ) -> tuple[torch.Tensor | None, AttentionMetadata]:
+        """The forward on this rank: logits [len(logit_rows), vocab] float32 (None on a TP
+        rank other than 0), and the metadata it ran with."""
+        meta, input_ids, positions = self.build_metadata(inputs)
         self.attn_backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
         # gather unless the rows are exactly 0..T-1 in order (a full set can come reordered:
         # sampling rows first, then prompt rows for input logprobs)
         if logit_rows != list(range(hidden.shape[0])):
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)]
-        logits = self.model.compute_logits(hidden)
-        return ForwardOutput(
-            logits.cpu() if logits.device.type != "cpu" else logits,
-            logit_rows,
-            self.attn_backend.shared_kv_tokens(meta),
-        )
+        logits = self.model.compute_logits(hidden)  # [N, vocab] (this rank's rows under TP)
+        return self.tp.gather_vocab(logits, self.config.vocab_size), meta
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from plait.matching import stop_search_start
 from plait.messages import BatchTokenOut
 from plait.runtime.core import Req
 
@@ -30,10 +31,15 @@ class StopChecker:
             req.finish("length", **({"incomplete": True} if incomplete else {}))
 
     def _stop_string(self, req: Req) -> bool:
+        """A stop string ending in the newest token's text. Occurrences wholly inside older
+        text do not count: they were either seen before (and stopped the request then) or came
+        before min_new_tokens, when stop strings are plain output."""
         longest = max(len(s) for s in req.sampling.stop)
-        tail = self.tokenizer.decode(req.output_ids[-(longest + 2) :], skip_special_tokens=False)
+        ids = req.output_ids[-(longest + 2) :]
+        tail = self.tokenizer.decode(ids, skip_special_tokens=False)
+        before = self.tokenizer.decode(ids[:-1], skip_special_tokens=False)
         for s in req.sampling.stop:
-            if s in tail:
+            if tail.find(s, stop_search_start(before, s)) >= 0:
                 req.finish("stop", matched=s)
                 return True
         return False
@@ -49,6 +55,11 @@ class OutputCollector:
     def add(self, req: Req) -> None:
         self._reqs[req.rid] = req
 
+    def discard(self, req: Req) -> None:
+        """Req failed: its client gets an error instead of this output."""
+        if self._reqs.get(req.rid) is req:
+            del self._reqs[req.rid]
+
     def flush(self) -> list[BatchTokenOut]:
         ready = [r for r in self._reqs.values() if self._due(r)]
         self._reqs = {rid: r for rid, r in self._reqs.items() if not self._due(r)}
@@ -58,7 +69,7 @@ class OutputCollector:
             rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[],
             completion_tokens=[], cached_tokens=[], skip_special_tokens=[], no_stop_trim=[],
             output_token_logprobs=[], output_top_logprobs=[], input_token_logprobs=[],
-            input_top_logprobs=[], spec_info=[], stop_strs=[],
+            input_top_logprobs=[], extra_meta=[], stop_strs=[],
         )
         for req in ready:
             _append(out, req)
@@ -89,4 +100,4 @@ def _append(out: BatchTokenOut, req: Req) -> None:
     out.input_top_logprobs.append(req.input_top_logprobs or None)
     if req.input_token_logprobs:  # sent once
         req.input_token_logprobs, req.input_top_logprobs = [], []
-    out.spec_info.append({"forced_tokens": req.num_forced_tokens, "queue_time": req.queue_time})
+    out.extra_meta.append({"forced_tokens": req.num_forced_tokens, "queue_time": req.queue_time})

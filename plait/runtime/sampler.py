@@ -8,23 +8,29 @@ recomputed continues exactly as it would have.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from plait.grammar.base import apply_token_bitmask
-from plait.runtime.core import Req
+from plait.runtime.core import Req, RequestFailed
 
 _MIX = 0x9E3779B97F4A7C15
 
 
 @dataclass
 class SampleOutput:
-    next_ids: list[int]
+    next_ids: list[int]  # -1 for a row in errors
     logprobs: torch.Tensor | None  # [B, V] log-softmax of the raw logits, when any req asked
+    # row -> why that row's request cannot continue; the other rows are sampled as usual
+    errors: dict[int, RequestFailed] = field(default_factory=dict)
 
 
 class Sampler:
+    """Samples each row independently: a failure that belongs to one row (a parameter that
+    makes its logits non-finite, a constraint that allows nothing) is reported in
+    SampleOutput.errors for that row, never raised for the whole batch."""
+
     def __init__(self, valid_vocab_size: int, eos_token_ids: tuple[int, ...], random_seed: int) -> None:
         self.valid_vocab_size = valid_vocab_size  # ids >= this have no token in the tokenizer
         self.eos_token_ids = list(eos_token_ids)
@@ -33,60 +39,112 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, reqs: list[Req], bitmask: torch.Tensor | None
     ) -> SampleOutput:
-        # logits: [B, V] float32
+        # logits: [B, V] float32, modified in place (they are fresh every step)
+        errors: dict[int, RequestFailed] = {}
         need_logprobs = any(r.return_logprob for r in reqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         if logits.shape[1] > self.valid_vocab_size:
             logits[:, self.valid_vocab_size :] = float("-inf")
-        self._apply_penalties(logits, reqs)
-        self._apply_min_tokens(logits, reqs)
+        for i, r in enumerate(reqs):
+            try:
+                self._apply_penalties(logits, i, r)
+                self._apply_min_tokens(logits, i, r)
+            except Exception as e:  # noqa: BLE001 - one request's parameters; the others go on
+                errors[i] = RequestFailed(f"sampling: {type(e).__name__}: {e}", 500)
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)
-        greedy = [r.sampling.is_greedy for r in reqs]
-        if all(greedy):
-            return SampleOutput(argmax_rows(logits).tolist(), logprobs)
+        _check_logits(logits, reqs, errors)
         next_ids = argmax_rows(logits)
-        rows = [i for i, g in enumerate(greedy) if not g]
-        sampled = self._sample_rows(logits[rows], [reqs[i] for i in rows])
-        next_ids[rows] = sampled
-        return SampleOutput(next_ids.tolist(), logprobs)
+        rows = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy and i not in errors]
+        if rows:
+            sampled = self._sample_rows(logits[rows], [reqs[i] for i in rows], rows, errors)
+            next_ids[rows] = sampled
+        ids = next_ids.tolist()
+        for i in errors:
+            ids[i] = -1
+        return SampleOutput(ids, logprobs, errors)
 
     # ------------------------------------------------------------------ logit processing
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        for i, r in enumerate(reqs):
-            sp = r.sampling
-            if not sp.has_penalties:
-                continue
-            if r.output_ids and (sp.frequency_penalty or sp.presence_penalty):
-                ids = torch.tensor(r.output_ids)
-                counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
-                logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
-            if sp.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.all_ids)))
-                vals = logits[i, seen]
-                p = sp.repetition_penalty
-                logits[i, seen] = torch.where(vals > 0, vals / p, vals * p)
+    def _apply_penalties(self, logits: torch.Tensor, i: int, r: Req) -> None:
+        sp = r.sampling
+        if not sp.has_penalties:
+            return
+        if r.output_ids and (sp.frequency_penalty or sp.presence_penalty):
+            ids = torch.tensor(r.output_ids)
+            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.all_ids)))
+            vals = logits[i, seen]
+            p = sp.repetition_penalty
+            logits[i, seen] = torch.where(vals > 0, vals / p, vals * p)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        for i, r in enumerate(reqs):
-            if len(r.output_ids) < r.sampling.min_new_tokens:
-                banned = r.sampling.stop_token_ids + ([] if r.sampling.ignore_eos else self.eos_token_ids)
-                if banned:
-                    logits[i, banned] = float("-inf")
+    def _apply_min_tokens(self, logits: torch.Tensor, i: int, r: Req) -> None:
+        if len(r.output_ids) >= r.sampling.min_new_tokens:
+            return
+        banned = r.sampling.stop_token_ids + ([] if r.sampling.ignore_eos else self.eos_token_ids)
+        # an id beyond the vocabulary can never be sampled, so there is nothing to ban
+        banned = [t for t in banned if 0 <= t < logits.shape[1]]
+        if banned:
+            logits[i, banned] = float("-inf")
 
     # ------------------------------------------------------------------ sampling
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    def _sample_rows(
+        self, logits: torch.Tensor, reqs: list[Req], rows: list[int], errors: dict[int, RequestFailed]
+    ) -> torch.Tensor:
         temps = torch.tensor([r.sampling.temperature for r in reqs], dtype=logits.dtype)
         probs = torch.softmax(logits / temps[:, None], dim=-1)  # [N, V]
         probs = _restrict_support(probs, reqs)
-        out = torch.empty(len(reqs), dtype=torch.int64)
-        unseeded = [i for i, r in enumerate(reqs) if r.sampling.seed is None]
+        out = torch.zeros(len(reqs), dtype=torch.int64)
+        # a row whose probabilities are not a distribution would make multinomial raise for
+        # the whole batch (extreme temperatures overflow logits / T)
+        mass = probs.sum(dim=-1)  # [N]; NaN/inf propagate
+        ok = torch.isfinite(mass) & (mass > 0)
+        for k in (~ok).nonzero()[:, 0].tolist():
+            errors[rows[k]] = RequestFailed(
+                f"temperature: sampling probabilities are not finite at temperature="
+                f"{reqs[k].sampling.temperature!r}", 400, "temperature",
+            )
+        unseeded = [k for k, r in enumerate(reqs) if r.sampling.seed is None and ok[k]]
         if unseeded:
             out[unseeded] = torch.multinomial(probs[unseeded], 1, generator=self.generator)[:, 0]
-        for i, r in enumerate(reqs):
-            if r.sampling.seed is not None:
-                out[i] = _seeded_choice(probs[i], r.sampling.seed, len(r.output_ids))
+        for k, r in enumerate(reqs):
+            if r.sampling.seed is not None and ok[k]:
+                try:
+                    out[k] = _seeded_choice(probs[k], r.sampling.seed, len(r.output_ids))
+                except Exception as e:  # noqa: BLE001 - e.g. a seed torch cannot take
+                    errors[rows[k]] = RequestFailed(f"seed: {type(e).__name__}: {e}", 400, "seed")
         return out
+
+
+def _check_logits(logits: torch.Tensor, reqs: list[Req], errors: dict[int, RequestFailed]) -> None:
+    """Fail the rows that have no finite maximum: NaN or +inf (a penalty or the model blew
+    up), or -inf everywhere (nothing is allowed: the constraint has no continuation)."""
+    row_max = logits.amax(dim=-1)  # [B]; NaN propagates
+    for i in (~torch.isfinite(row_max)).nonzero()[:, 0].tolist():
+        if i in errors:
+            continue
+        r = reqs[i]
+        if row_max[i] == float("-inf"):
+            kind = r.sampling.constraint[0] if r.sampling.constraint else None
+            why = "constraint allows no continuation"
+            if len(r.output_ids) < r.sampling.min_new_tokens:
+                why += " (min_new_tokens forbids ending here)"
+            errors[i] = RequestFailed(why, 400, kind)
+        elif r.sampling.has_penalties:
+            sp = r.sampling
+            name, value = next(
+                (n, v) for n, v, off in (
+                    ("repetition_penalty", sp.repetition_penalty, 1.0),
+                    ("frequency_penalty", sp.frequency_penalty, 0.0),
+                    ("presence_penalty", sp.presence_penalty, 0.0),
+                ) if v != off
+            )
+            errors[i] = RequestFailed(
+                f"{name}: {value!r} made the logits non-finite", 400, name
+            )
+        else:
+            errors[i] = RequestFailed("the model produced non-finite logits", 500)
 
 
 _ARGMAX_CHUNK = 1024
@@ -133,9 +191,3 @@ def _seeded_choice(probs: torch.Tensor, seed: int, step: int) -> int:
     g = torch.Generator().manual_seed((seed * _MIX + step) & 0x7FFFFFFFFFFFFFFF)
     noise = torch.empty_like(probs).exponential_(generator=g)
     return int((probs / noise).argmax())
-
-
-def top_logprobs(logprobs_row: torch.Tensor, k: int) -> list[list]:
-    """[[logprob, token_id], ...] of the k most likely tokens."""
-    vals, ids = logprobs_row.topk(k)
-    return [[float(v), int(i)] for v, i in zip(vals.tolist(), ids.tolist())]

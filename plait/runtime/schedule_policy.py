@@ -1,6 +1,13 @@
 """Which waiting requests join the next prefill batch, and in what order.
 
-lpm (longest prefix match first) keeps shared prefixes hot; fcfs serves in arrival order.
+Priority first: a request's tier is its `priority` (higher sooner) plus one for every
+PRIORITY_AGING_S seconds it has waited, so starvation is bounded: a request of priority p
+is ordered ahead of every request of priority <= q that arrived (q - p + 1) * PRIORITY_AGING_S
+seconds or more after it; a stream of higher-priority work can delay it only by that window
+(and the service of what arrived within it). Within a tier the policy orders: lpm (longest prefix
+match first) keeps shared prefixes hot; fcfs serves in arrival order. Policies are registered
+in plait.registry.SCHEDULE_POLICIES (the --schedule-policy choices). Retraction (KV pressure)
+takes the lowest priority first.
 Admission respects the prefill token budget (chunking the last request if needed), the
 running-request cap, and the KV memory reserved for the decode steps of running requests.
 A request whose prompt shares a long uncached prefix with one already in the batch waits one
@@ -12,6 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from plait.matching import common_prefix_len
+from plait.registry import SCHEDULE_POLICIES
 from plait.runtime.core import Req
 from plait.runtime.kv_manager import KVManager
 
@@ -21,6 +30,8 @@ LPM_MAX_WAITING = 256
 IN_BATCH_SHARE_MIN = 32
 # decode tokens reserved per running request are capped at this
 RESERVE_CAP = 256
+# a waiting request's priority tier rises by one every this many seconds (starvation bound)
+PRIORITY_AGING_S = 10.0
 
 
 @dataclass
@@ -46,23 +57,47 @@ class Admission:
     chunked: Req | None = None  # the request whose prompt continues in a later step
 
 
+def priority_tier(req: Req, now: float) -> int:
+    """req.priority raised by one per PRIORITY_AGING_S seconds waited (the starvation bound)."""
+    return req.priority + int(max(0.0, now - req.arrival_time) / PRIORITY_AGING_S)
+
+
 def order_waiting(waiting: list[Req], policy: str, kv: KVManager) -> list[Req]:
-    if policy == "fcfs" or len(waiting) > LPM_MAX_WAITING or kv.cache.disable:
+    """The waiting requests in admission order: by priority tier, then by `policy`."""
+    order = SCHEDULE_POLICIES.load(policy)
+    now = time.monotonic()
+    tiers = {id(r): priority_tier(r, now) for r in waiting}
+    if len(set(tiers.values())) == 1:  # the common case: one tier
+        return order(waiting, kv)
+    by_tier = sorted(waiting, key=lambda r: -tiers[id(r)])  # stable: arrival order kept
+    out: list[Req] = []
+    start = 0
+    for end in range(1, len(by_tier) + 1):
+        if end == len(by_tier) or tiers[id(by_tier[end])] != tiers[id(by_tier[start])]:
+            out += order(by_tier[start:end], kv)
+            start = end
+    return out
+
+
+def order_fcfs(waiting: list[Req], kv: KVManager) -> list[Req]:
+    return list(waiting)
+
+
+def order_lpm(waiting: list[Req], kv: KVManager) -> list[Req]:
+    if len(waiting) > LPM_MAX_WAITING or kv.cache.disable:
         return list(waiting)
     lens = {id(r): kv.match(r) for r in waiting}
     return sorted(waiting, key=lambda r: -lens[id(r)])  # stable: ties stay in arrival order
 
 
+def retraction_victim(running: list[Req]) -> Req:
+    """The request to send back to the queue under KV pressure: the lowest priority, then the
+    least progress (the least work lost), then the latest arrival."""
+    return min(running, key=lambda r: (r.priority, len(r.output_ids), -r.arrival_time))
+
+
 def decode_reserve(running: list[Req], ratio: float) -> int:
     return int(sum(min(r.remaining_new_tokens, RESERVE_CAP) for r in running) * ratio)
-
-
-def _shared_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def admit(
@@ -106,4 +141,6 @@ def _shares_with_batch(req: Req, batch: list[Req], kv: KVManager) -> bool:
         return False
     cached = kv.match(req)
     ids = req.all_ids
-    return any(_shared_len(ids, other.all_ids) - cached >= IN_BATCH_SHARE_MIN for other in batch)
+    return any(
+        common_prefix_len(ids, other.all_ids) - cached >= IN_BATCH_SHARE_MIN for other in batch
+    )

@@ -3,12 +3,20 @@
 One object owns the waiting/running queues and composes the parts: ModelRunner (forward),
 KVManager (+ RadixCache), the admission policy, Sampler, grammar constraints (ReqGrammar),
 and a SchedulerIO that carries messages (ZMQ in a process, or in-memory for tests).
+
+Failure isolation: whatever goes wrong while serving one request (its grammar, its sampling
+parameters, its logprobs, its stop checks) fails that request alone with a RequestErrorOut
+naming the cause, and frees its KV, request slot, radix locks and grammar; a forward that
+raises fails the requests of its batch. The loop itself keeps serving.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -25,13 +33,15 @@ from plait.messages import (
     TokenizedGenerateReq,
 )
 from plait.radix_cache.radix_cache import RadixCache
+from plait.runtime import logprobs
 from plait.runtime import schedule_policy as policy
 from plait.runtime.constraints import ConstraintTracker
-from plait.runtime.core import Batch, Req
+from plait.runtime.core import Batch, Req, RequestFailed
 from plait.runtime.kv_manager import KVManager
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.output import OutputCollector, StopChecker
-from plait.runtime.sampler import Sampler, top_logprobs
+from plait.runtime.parallel import TPGroup
+from plait.runtime.sampler import Sampler
 from plait.runtime.step_timer import StepTimer
 from plait.sampling import SamplingParams
 
@@ -44,11 +54,13 @@ class SchedulerIO(Protocol):
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, model_path: str, io: SchedulerIO, tokenizer) -> None:
+    def __init__(
+        self, args: ServerArgs, model_path: str, io: SchedulerIO, tokenizer, tp: TPGroup | None = None
+    ) -> None:
         self.args = args
         self.io = io
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(args, model_path)
+        self.runner = ModelRunner(args, model_path, tp)  # tp: rank 0 of a tensor-parallel group
         cache = RadixCache(self.runner.kv_pool, disable=args.disable_radix_cache)
         self.kv = KVManager(self.runner.kv_pool, self.runner.req_to_token_pool, cache)
         cfg = self.runner.config
@@ -63,10 +75,11 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.reqs: dict[str, Req] = {}
+        self.requests_by_priority: Counter[int] = Counter()
         self.counters = {
             "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
             "extend_forwards": 0, "decode_forwards": 0, "retractions": 0, "forced_tokens": 0,
-            "finished_requests": 0, "aborted_requests": 0,
+            "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0,
             "request_forwards": 0,  # forwards summed over the requests in them
             # decode KV rows read once for a group sharing a cached prefix, not once per member
             "decode_shared_kv_tokens": 0,
@@ -85,7 +98,17 @@ class Scheduler:
 
     def run_forever(self) -> None:
         while True:
-            self.step(idle_wait_s=0.05)
+            self.step_safely(idle_wait_s=0.05)
+
+    def step_safely(self, idle_wait_s: float = 0.0) -> None:
+        """step(); an error outside any one request's step fails the requests in flight
+        (their state cannot be trusted) and the loop goes on."""
+        try:
+            self.step(idle_wait_s)
+        except Exception as e:
+            logger.exception("scheduler step failed; failing the requests in flight")
+            self.fail_all(RequestFailed(f"internal error: {type(e).__name__}: {e}", 500))
+            self._flush_outputs()
 
     def step(self, idle_wait_s: float = 0.0) -> bool:
         """One iteration; returns True if a forward ran."""
@@ -100,16 +123,63 @@ class Scheduler:
             batch = self.next_batch()
         if batch is not None:
             self.run_batch(batch)
+        self._flush_outputs()
+        return batch is not None
+
+    def _flush_outputs(self) -> None:
         with self.timer("io"):  # also aborts, which finish without a forward
             for msg in self.outputs.flush():
                 self.io.send(msg)
-        return batch is not None
 
     def _dispatch(self, msg: Any) -> None:
         handler = self._handlers.get(type(msg))
         if handler is None:
             raise TypeError(f"scheduler: no handler for message {type(msg).__name__}")
         handler(msg)
+
+    # ------------------------------------------------------------------ failures
+    @contextmanager
+    def isolate(self, req: Req) -> Iterator[None]:
+        """Run one request's step: an exception fails req alone and is not re-raised."""
+        try:
+            yield
+        except RequestFailed as e:
+            self.fail(req, e)
+        except Exception as e:
+            logger.exception("request %s failed", req.rid)
+            self.fail(req, RequestFailed(f"internal error: {type(e).__name__}: {e}", 500))
+
+    def fail(self, req: Req, error: RequestFailed) -> None:
+        """Req ends with error (sent to its client) and gives back everything it holds."""
+        if self.reqs.get(req.rid) is not req:
+            return  # already finished or failed (or never registered)
+        req.finish("error", message=str(error))
+        self.counters["failed_requests"] += 1
+        self.outputs.discard(req)
+        self.io.send(RequestErrorOut(req.rid, str(error), error.status, error.param))
+        self._free(req)
+
+    def fail_all(self, error: RequestFailed) -> None:
+        for req in list(self.reqs.values()):
+            self.fail(req, error)
+        self.chunked = None
+
+    def _free(self, req: Req) -> None:
+        """Take req out of every queue and release its state; safe to call more than once."""
+        try:
+            self.constraints.cancel(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            if self.chunked is req:
+                self.chunked = None
+        finally:
+            try:
+                self.kv.release(req)
+            finally:
+                self.reqs.pop(req.rid, None)
+                req.grammar = None
 
     # ------------------------------------------------------------------ handlers
     def handle_generate(self, msg: TokenizedGenerateReq) -> None:
@@ -118,9 +188,15 @@ class Scheduler:
         except ValueError as e:
             self.io.send(RequestErrorOut(msg.rid, str(e), 400, getattr(e, "param", None)))
             return
+        except Exception as e:  # a malformed message must not stop the loop
+            logger.exception("request %s could not be created", msg.rid)
+            self.io.send(RequestErrorOut(msg.rid, f"internal error: {type(e).__name__}: {e}", 500))
+            return
         self.reqs[req.rid] = req
+        self.requests_by_priority[req.priority] += 1
         if req.sampling.constraint is not None:
-            self.constraints.submit(req)
+            with self.isolate(req):
+                self.constraints.submit(req)
         else:
             self.waiting.append(req)
 
@@ -146,7 +222,7 @@ class Scheduler:
         return Req(
             rid=msg.rid, input_ids=list(msg.input_ids), sampling=sampling,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
+            top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, priority=msg.priority,
         )
 
     def handle_abort(self, msg: AbortReq) -> None:
@@ -155,13 +231,6 @@ class Scheduler:
             return
         req.finish("abort")
         self.counters["aborted_requests"] += 1
-        self.constraints.cancel(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked is req:
-            self.chunked = None
         self._finish(req)
 
     def handle_flush(self, msg: FlushCacheReq) -> None:
@@ -184,20 +253,27 @@ class Scheduler:
             "kv_protected": self.kv.cache.protected_size(),
             "kv_used": self.kv.used,
             "kv_usage": self.kv.used / pool.size,
+            "req_slots_free": self.kv.req_to_token.free_size,
             "num_running": len(self.running) + (1 if self.chunked else 0),
             "num_waiting": len(self.waiting) + self.constraints.pending,
             "cache_hit_rate": c["cached_tokens"] / max(1, c["prompt_tokens"]),
             "context_length": self.runner.context_length,
             "step_time": self.timer.summary(),
             "grammar": self.constraints.stats(),
+            # requests received per priority, and waiting now per priority (str keys: JSON)
+            "requests_by_priority": {
+                str(p): n for p, n in sorted(self.requests_by_priority.items())
+            },
+            "waiting_by_priority": {
+                str(p): n for p, n in sorted(Counter(r.priority for r in self.waiting).items())
+            },
             **c,
         }
 
     def _admit_compiled(self) -> None:
         for req, error in self.constraints.poll():
             if error is not None:
-                self.reqs.pop(req.rid, None)
-                self.io.send(RequestErrorOut(req.rid, str(error), 400, getattr(error, "param", None)))
+                self.fail(req, error)
             elif not req.finished:
                 self.waiting.append(req)
 
@@ -222,7 +298,7 @@ class Scheduler:
                     self.chunked = req
             else:
                 self.chunked = req
-                self._retract_one(exclude=None)
+                self._retract_one()
                 return None
         for req in [r for r in self.running if r.pending_len > 1]:  # jump-forward tokens
             n = req.pending_len
@@ -243,8 +319,8 @@ class Scheduler:
             self.chunked = adm.chunked
         if not reqs:
             return None
-        sample = [self.chunked is not r for r in reqs]
-        return Batch(ForwardMode.EXTEND, reqs, lens, sample)
+        samples_token = [self.chunked is not r for r in reqs]
+        return Batch(ForwardMode.EXTEND, reqs, lens, samples_token)
 
     def _decode_batch(self) -> Batch | None:
         reqs = [r for r in self.running if r.pending_len == 1]
@@ -252,7 +328,7 @@ class Scheduler:
             return None
         # retract first, then allocate: a victim must not hold a slot of this step
         while self.kv.available < len(reqs):
-            victim = self._retract_one(exclude=None)
+            victim = self._retract_one()
             if victim is None:
                 raise RuntimeError("KV pool exhausted with nothing left to retract")
             if victim in reqs:
@@ -264,13 +340,13 @@ class Scheduler:
         self.ratio.on_decode()
         return Batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
 
-    def _retract_one(self, exclude: Req | None) -> Req | None:
-        """Send the running request with the least progress back to the waiting queue; its
-        computed KV stays in the cache (unlocked) and is recomputed if evicted."""
-        victims = [r for r in self.running if r is not exclude]
-        if not victims:
+    def _retract_one(self) -> Req | None:
+        """Send a running request back to the waiting queue: the lowest priority first, then
+        the one with the least progress. Its computed KV stays in the cache (unlocked) and is
+        recomputed if evicted."""
+        if not self.running:
             return None
-        victim = min(victims, key=lambda r: (len(r.output_ids), -r.arrival_time))
+        victim = policy.retraction_victim(self.running)
         self.running.remove(victim)
         self.kv.release(victim)
         self.waiting.insert(0, victim)
@@ -282,81 +358,140 @@ class Scheduler:
     @torch.inference_mode()
     def run_batch(self, batch: Batch) -> None:
         with self.timer("schedule"):
-            rows, logprob_rows = self._logit_rows(batch)
-        with self.timer("forward"):
-            out = self.runner.forward(batch, rows)
-        self.counters["extend_forwards" if batch.mode is ForwardMode.EXTEND else "decode_forwards"] += 1
+            plan = logprobs.plan_logit_rows(batch)
+        try:
+            with self.timer("forward"):
+                out = self.runner.forward(batch, plan.rows)
+        except Exception as e:  # the batch's requests fail; the server keeps serving
+            if self.runner.tp.size > 1:
+                # the other ranks may have run (part of) this forward: they are out of step,
+                # so the scheduler process dies and the server exits (children are watched)
+                raise
+            logger.exception("forward of %d requests failed", batch.batch_size)
+            error = RequestFailed(f"internal error in the forward: {type(e).__name__}: {e}", 500)
+            for req in batch.reqs:
+                self.fail(req, error)
+            return
+        mode = "extend_forwards" if batch.mode is ForwardMode.EXTEND else "decode_forwards"
+        self.counters[mode] += 1
         self.counters["request_forwards"] += batch.batch_size
         self.counters["decode_shared_kv_tokens"] += out.shared_kv_tokens
         with self.timer("sample"):
-            self._process(batch, out.logits, rows, logprob_rows)
+            self._process(batch, out.logits, plan)
 
-    def _logit_rows(self, batch: Batch) -> tuple[list[int], dict[int, list[tuple[int, int]]]]:
-        """Rows whose logits are needed: the last row of each sampling request, plus prompt
-        rows for input logprobs ({batch index: [(row, prompt position predicted)]})."""
-        rows: list[int] = []
-        logprob_rows: dict[int, list[tuple[int, int]]] = {}
-        offset = 0
-        for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            if req.wants_input_logprobs and req.kv_len < len(req.input_ids):
-                first = max(req.logprob_start_len, 1)
-                for pos in range(req.kv_len, req.kv_len + ext):
-                    if first <= pos + 1 < len(req.input_ids):
-                        logprob_rows.setdefault(i, []).append((offset + pos - req.kv_len, pos + 1))
-            if batch.sample[i]:
-                rows.append(offset + ext - 1)
-            offset += ext
-        extra = sorted({r for pairs in logprob_rows.values() for r, _ in pairs} - set(rows))
-        return rows + extra, logprob_rows
+    def _process(self, batch: Batch, logits: torch.Tensor, plan: logprobs.LogitRows) -> None:
+        """The result step: record input logprobs, commit the computed KV, sample, record
+        output logprobs, commit the new tokens (finish checks, jump-forward), emit."""
+        # logits rows: the sampling requests' last rows first (batch order), then prompt rows
+        row_index = {r: k for k, r in enumerate(plan.rows)}
+        self._record_input_logprobs(batch, logits, row_index, plan.input_rows)
+        self._commit_kv(batch)
+        sampling = [r for r, s in zip(batch.reqs, batch.samples_token) if s]
+        sample_row = {id(r): k for k, r in enumerate(sampling)}
+        new_tokens = self._sample(sampling, logits, sample_row)
+        for req in sampling:
+            if req.finished:  # failed in a step above
+                continue
+            with self.isolate(req):
+                self._commit_tokens(req, new_tokens.get(id(req)))
 
-    def _process(self, batch: Batch, logits: torch.Tensor, rows: list[int], logprob_rows) -> None:
-        row_index = {r: k for k, r in enumerate(rows)}
-        if logprob_rows:
-            self._record_input_logprobs(batch, logits, row_index, logprob_rows)
-        for req, ext in zip(batch.reqs, batch.extend_lens):
-            req.kv_len += ext
-        sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        n_sample = len(sampling_reqs)
-        to_sample = [r for r in sampling_reqs if r.sampling.max_new_tokens > 0 and not r.forced_ids]
-        sample_idx = [k for k, r in enumerate(sampling_reqs) if r in to_sample]
-        new_tokens: dict[int, int] = {}
-        logprobs = None
-        if to_sample:
-            sub = logits[:n_sample][sample_idx] if len(sample_idx) != n_sample else logits[:n_sample]
-            bitmask = self.constraints.bitmask(to_sample, logits.shape[1])
-            res = self.sampler(sub, to_sample, bitmask)  # masks in place: logits are fresh per step
-            logprobs = res.logprobs
-            new_tokens = {id(r): t for r, t in zip(to_sample, res.next_ids)}
-        for k, req in enumerate(to_sample):
-            if req.return_logprob:
-                self._record_output_logprob(req, logprobs[k], new_tokens[id(req)])
-        if batch.mode is ForwardMode.EXTEND:
-            for req, sample in zip(batch.reqs, batch.sample):
-                self.kv.cache_prefilled(req)
-                if not sample:
-                    continue
-                if req not in self.running:
-                    self._on_prefilled(req)
-        for req in sampling_reqs:
+    def _record_input_logprobs(
+        self, batch: Batch, logits: torch.Tensor, row_index: dict[int, int], input_rows: dict
+    ) -> None:
+        for i, pairs in input_rows.items():
+            req = batch.reqs[i]
+            with self.isolate(req):
+                logprobs.record_input_logprobs(req, logits, row_index, pairs)
+
+    def _commit_kv(self, batch: Batch) -> None:
+        """The forward computed the batch's KV: advance each request and, after a prefill,
+        share its tokens through the radix cache."""
+        for req, ext, samples in zip(batch.reqs, batch.extend_lens, batch.samples_token):
             if req.finished:
                 continue
-            if req.sampling.max_new_tokens == 0:
-                req.finish("length")
-            elif req.forced_ids:
-                self._append(req, [req.forced_ids.pop(0)], forced=True)
+            with self.isolate(req):
+                self.kv.commit(req, ext)
+                if batch.mode is ForwardMode.EXTEND:
+                    self.kv.cache_prefilled(req)
+                    if samples and req not in self.running:
+                        self._on_prefilled(req)
+
+    def _sample(
+        self, reqs: list[Req], logits: torch.Tensor, sample_row: dict[int, int]
+    ) -> dict[int, int]:
+        """{id(req): next token} for the requests that sample now (not forced, not done);
+        a request whose row cannot be sampled fails here."""
+        to_sample = [
+            r for r in reqs
+            if not r.finished and r.sampling.max_new_tokens > 0 and not r.forced_ids
+        ]
+        if not to_sample:
+            return {}
+        idx = [sample_row[id(r)] for r in to_sample]
+        # [len(to_sample), V]; a view when the rows are the first ones in order
+        sub = logits[: len(idx)] if idx == list(range(len(idx))) else logits[idx]
+        bitmask = self.constraints.bitmask(to_sample, sub.shape[1], self.fail)
+        alive = [k for k, r in enumerate(to_sample) if not r.finished]
+        if len(alive) < len(to_sample):  # a grammar failed while filling its mask
+            to_sample = [to_sample[k] for k in alive]
+            sub = sub[alive]
+            bitmask = bitmask[alive] if bitmask is not None else None
+            if not to_sample:
+                return {}
+        try:
+            res = self.sampler(sub, to_sample, bitmask)  # masks in place: logits are fresh
+        except Exception as e:  # not attributable to one row (per-row errors come in res)
+            logger.exception("sampling a batch of %d failed", len(to_sample))
+            error = RequestFailed(f"internal error in sampling: {type(e).__name__}: {e}", 500)
+            for req in to_sample:
+                self.fail(req, error)
+            return {}
+        for k, err in res.errors.items():
+            self.fail(to_sample[k], err)
+        new_tokens = {}
+        for k, req in enumerate(to_sample):
+            if k in res.errors:
+                continue
+            new_tokens[id(req)] = res.next_ids[k]
+            if req.return_logprob:
+                with self.isolate(req):
+                    logprobs.record_output_logprob(req, res.logprobs[k], res.next_ids[k])
+        return new_tokens
+
+    def _commit_tokens(self, req: Req, sampled: int | None) -> None:
+        """Append req's next token (sampled, or forced by its grammar), then what its grammar
+        forces after it; finished requests free their state."""
+        if req.sampling.max_new_tokens == 0:
+            req.finish("length")
+        else:
+            if req.forced_ids:
+                token = req.forced_ids.pop(0)
             else:
-                self._append(req, [new_tokens[id(req)]], forced=False)
-            self.outputs.add(req)
-            if req.finished:
-                self._finish(req)
+                assert sampled is not None, "a sampling request got no token"
+                token = sampled
+            self._emit(req, [token])
+            follow = self._grammar_follow(req)
+            if follow and self.args.disable_jump_forward:
+                req.forced_ids.extend(follow)  # emitted one per decode step
+            elif follow:
+                self._emit(req, follow)  # appended now; one extend step computes their KV
+        self.outputs.add(req)
+        if req.finished:
+            self._finish(req)
 
-    def _on_prefilled(self, req: Req) -> None:
-        if req.first_token_time is None:
-            self.counters["prompt_tokens"] += len(req.input_ids)
-            self.counters["cached_tokens"] += req.cached_tokens
-        self.running.append(req)
+    def _grammar_follow(self, req: Req) -> list[int]:
+        """Tokens the grammar forces next: a closing near the budget, else jump-forward."""
+        if req.finished or req.forced_ids:
+            return []
+        follow = self.constraints.closing(req) or self.constraints.jump_forward(
+            req, limit=req.remaining_new_tokens
+        )
+        self.counters["forced_tokens"] += len(follow)
+        req.num_forced_tokens += len(follow)
+        return follow
 
-    def _append(self, req: Req, tokens: list[int], forced: bool) -> None:
+    def _emit(self, req: Req, tokens: list[int]) -> None:
+        """The one place output tokens are appended: grammar advance and finish checks."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         for tok in tokens:
@@ -366,52 +501,17 @@ class Scheduler:
             self.stop_checker.check(req)
             if req.finished:
                 return
-        if req.forced_ids:
-            return
-        follow = self.constraints.closing(req) or self.constraints.jump_forward(
-            req, limit=req.remaining_new_tokens
-        )
-        if not follow:
-            return
-        self.counters["forced_tokens"] += len(follow)
-        req.num_forced_tokens += len(follow)
-        if self.args.disable_jump_forward:
-            req.forced_ids.extend(follow)  # emitted one per decode step
-        else:
-            # appended now; their KV is computed by one extend step
-            for tok in follow:
-                req.output_ids.append(tok)
-                self.counters["generation_tokens"] += 1
-                self.constraints.accept(req, tok)
-                self.stop_checker.check(req)
-                if req.finished:
-                    return
+
+    def _on_prefilled(self, req: Req) -> None:
+        if req.first_token_time is None:
+            self.counters["prompt_tokens"] += len(req.input_ids)
+            self.counters["cached_tokens"] += req.cached_tokens
+        self.running.append(req)
 
     def _finish(self, req: Req) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        self.kv.release(req)
-        self.reqs.pop(req.rid, None)
-        self.counters["finished_requests"] += 1
-        self.outputs.add(req)
-
-    # ------------------------------------------------------------------ logprobs
-    def _record_output_logprob(self, req: Req, row: torch.Tensor, token: int) -> None:
-        req.output_token_logprobs.append([float(row[token]), token])
-        if req.top_logprobs_num:
-            req.output_top_logprobs.append(top_logprobs(row, req.top_logprobs_num))
-
-    def _record_input_logprobs(self, batch, logits, row_index, logprob_rows) -> None:
-        for i, pairs in logprob_rows.items():
-            req = batch.reqs[i]
-            if req.kv_len <= req.logprob_start_len == 0 and not req.input_token_logprobs:
-                req.input_token_logprobs.append([None, req.input_ids[0]])
-                if req.top_logprobs_num:
-                    req.input_top_logprobs.append(None)
-            idx = torch.tensor([row_index[r] for r, _ in pairs])
-            rows = torch.log_softmax(logits[idx], dim=-1)
-            for (r, pos), lp in zip(pairs, rows):
-                tok = req.input_ids[pos]
-                req.input_token_logprobs.append([float(lp[tok]), tok])
-                if req.top_logprobs_num:
-                    req.input_top_logprobs.append(top_logprobs(lp, req.top_logprobs_num))
+        """Req finished (stop, length, abort): its output goes out and its state is freed."""
+        try:
+            self.counters["finished_requests"] += 1
+            self.outputs.add(req)
+        finally:
+            self._free(req)

@@ -14,6 +14,7 @@ import zmq
 from plait.args import ServerArgs
 from plait.messages import MessageReceiver, MessageSender
 from plait.runtime.scheduler import Scheduler
+from plait.runtime.tp_worker import attach_sender, start_rank
 
 logger = logging.getLogger(__name__)
 
@@ -72,23 +73,32 @@ def model_info(scheduler: Scheduler, model_path: str) -> dict[str, Any]:
         "dtype": str(scheduler.runner.dtype).removeprefix("torch."),
         "device": str(scheduler.runner.device),
         "attention_backend": scheduler.runner.attn_backend_name,
+        "tp_size": scheduler.runner.tp.size,
     }
 
 
 def run_scheduler_process(
-    args: ServerArgs, model_path: str, input_addr: str, output_addr: str, ready_conn
+    args: ServerArgs, model_path: str, input_addr: str, output_addr: str, ready_conn,
+    tp_init: str | None = None,
 ) -> None:
-    """Process entry point: build the scheduler, report readiness (or the error), loop."""
+    """Process entry point: build the scheduler, report readiness (or the error), loop.
+    With args.tp_size > 1 this is tensor-parallel rank 0 (tp_init: the group's rendezvous)."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
-        if args.num_threads:
+        tp = None
+        if args.tp_size > 1:
+            tp = start_rank(args, 0, tp_init)
+        elif args.num_threads:
             torch.set_num_threads(args.num_threads)
         ctx = zmq.Context()
         io = ZmqSchedulerIO(ctx, input_addr, output_addr)
-        scheduler = Scheduler(args, model_path, io, load_tokenizer(args.tokenizer_path or model_path))
+        tokenizer = load_tokenizer(args.tokenizer_path or model_path)
+        scheduler = Scheduler(args, model_path, io, tokenizer, tp)
+        if tp is not None:  # each forward's inputs go to the other ranks first
+            attach_sender(scheduler.runner)
         ready_conn.send({"status": "ready", **model_info(scheduler, model_path)})
     except Exception as e:
         ready_conn.send({"status": "error", "error": f"{type(e).__name__}: {e}",

@@ -19,7 +19,10 @@ from plait.grammar.manager import GrammarManager
 
 DEV = Path("/work/shared/data/jsonschemabench-dev")
 FILES = sorted(DEV.glob("*/*.json"))
-pytestmark = pytest.mark.skipif(not FILES, reason="jsonschemabench-dev not available")
+pytestmark = [
+    pytest.mark.skipif(not FILES, reason="jsonschemabench-dev not available"),
+    pytest.mark.heavy,  # every schema of the dev set
+]
 
 
 def compile_all(manager: GrammarManager) -> dict[str, str]:

@@ -166,6 +166,7 @@ def test_any_whitespace_is_bounded(tokenizer, vocab_size, eos_ids, walker, name)
     assert finished
 
 
+@pytest.mark.heavy
 def test_process_isolation_kills_a_slow_compile_and_serves_the_next(make_manager, walker):
     manager = make_manager("outlines", compile_timeout=1.0, num_workers=1, isolation="process")
     kind, spec = SLOW["outlines"]
@@ -186,6 +187,7 @@ def test_isolation_is_checked(tokenizer, vocab_size, eos_ids):
         GrammarManager("xgrammar", tokenizer, vocab_size, eos_ids, isolation="fork")
 
 
+@pytest.mark.heavy
 def test_lingering_compiles_make_later_jobs_wait_not_fail(make_manager):
     """Two abandoned thread compiles on one worker exceed the linger limit: the next job waits
     for one of them to end and then compiles (failing at once cascaded into refusals)."""

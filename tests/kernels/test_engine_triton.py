@@ -8,6 +8,8 @@ import pytest
 import plait
 from tests.runtime.test_parity import assert_matches, hf_reference, make_prompts
 
+pytestmark = pytest.mark.model  # starts a model or a server
+
 pytest.importorskip("triton")
 
 

@@ -22,6 +22,8 @@ from plait.models.embedded import (
     ensure_checkpoint,
 )
 
+pytestmark = pytest.mark.model  # starts a model or a server
+
 ENGLISH = [
     "Hello, world! This is a test of the tokenizer.",
     "The quick brown fox jumps over the lazy dog. I'm sure you'll agree it's fine; we've DONE it.",

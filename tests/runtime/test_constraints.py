@@ -11,6 +11,8 @@ import pytest
 
 import plait
 
+pytestmark = pytest.mark.model  # starts a model or a server
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -33,6 +33,7 @@ def test_packing_is_fp32_cpu_only():
     assert pack_linear(torch.randn(8, 4, dtype=torch.bfloat16)) is None
 
 
+@pytest.mark.model
 def test_runner_uses_packed_logits_unless_disabled(tiny_llama, monkeypatch):
     from plait.runtime import cpu_tuning
 

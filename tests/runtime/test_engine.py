@@ -9,6 +9,8 @@ import pytest
 
 import plait
 
+pytestmark = pytest.mark.model  # starts a model or a server
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):

@@ -10,6 +10,8 @@ import torch
 
 import plait
 
+pytestmark = pytest.mark.model  # starts a model or a server
+
 MAX_NEW = 24
 
 

@@ -62,14 +62,14 @@ def test_penalties_change_distribution_as_specified():
     r = req(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5)
     r.output_ids = [5, 5, 3]
     out = logits.clone()
-    s._apply_penalties(out, [r])
+    s._apply_penalties(out, 0, r)
     assert out[0, 5] == 2.0 - 2 * 1.0 - 0.5
     assert out[0, 3] == -1.5
     assert out[0, 0] == 0.0
     rep = req(temperature=0.0, repetition_penalty=2.0)
     out = torch.tensor([[4.0, -4.0, 1.0] + [0.0] * (V - 3)])
     rep.input_ids = [0, 1]
-    s._apply_penalties(out, [rep])
+    s._apply_penalties(out, 0, rep)
     assert out[0, :3].tolist() == [2.0, -8.0, 1.0]
 
 

@@ -8,22 +8,10 @@ import shutil
 
 import pytest
 
-from plait.args import ServerArgs
 from plait.messages import AbortReq, BatchTokenOut, RequestErrorOut, TokenizedGenerateReq
 from plait.runtime.scheduler import Scheduler
-from plait.runtime.scheduler_process import InProcessIO, load_tokenizer
 
-
-@pytest.fixture(scope="module")
-def make_scheduler(tiny_llama):
-    tokenizer = load_tokenizer(tiny_llama)
-
-    def make(**kwargs):
-        io = InProcessIO()
-        args = ServerArgs(model_path=tiny_llama, **kwargs)
-        return Scheduler(args, tiny_llama, io, tokenizer), io
-
-    return make
+pytestmark = pytest.mark.model  # starts a model or a server
 
 
 def submit(io, rid, ids, **sp):

@@ -33,6 +33,7 @@ from plait.io_struct import GenerateInput
 from plait.lang.backends.base import Backend, GenResult, LogprobOptions
 from plait.lang.chat_template import ChatTemplate
 from plait.lang.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
+from plait.matching import common_prefix_len
 from plait.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ class NativeBackend(Backend):
         prompt_ids = encode(s.text_)
         fulls = [encode(s.text_ + c) for c in choices]
         # a choice's scored tokens start where its tokenization leaves the prompt's
-        starts = [_common_prefix_len(prompt_ids, ids) for ids in fulls]
+        starts = [common_prefix_len(prompt_ids, ids) for ids in fulls]
         shared = min(starts)
         batch = GenerateInput(
             input_ids=fulls,
@@ -239,14 +240,6 @@ def _sampling_dict(params: SamplingParams) -> dict[str, Any]:
     out = {k: v for k, v in params.to_dict().items() if v != getattr(default, k)}
     out["max_new_tokens"] = params.max_new_tokens
     return out
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _sample(choices: list[str], scores: list[float], temperature: float) -> str:

@@ -1,0 +1,68 @@
+"""Logprob bookkeeping: which logit rows a batch needs, and recording the input- and
+output-token logprobs (with top-k) that requests asked for.
+
+A forward computes logits only for the rows listed by `plan_logit_rows`: first the last row of
+each request that samples (in batch order), then prompt rows whose logprobs were requested.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from plait.runtime.core import Batch, Req
+
+
+class LogitRows(NamedTuple):
+    rows: list[int]  # flattened token rows of the batch whose logits the forward computes
+    # batch index -> [(token row, prompt position whose token that row predicts)]
+    input_rows: dict[int, list[tuple[int, int]]]
+
+
+def plan_logit_rows(batch: Batch) -> LogitRows:
+    rows: list[int] = []
+    input_rows: dict[int, list[tuple[int, int]]] = {}
+    offset = 0
+    for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens)):
+        if req.wants_input_logprobs and req.kv_len < len(req.input_ids):
+            first = max(req.logprob_start_len, 1)
+            for pos in range(req.kv_len, req.kv_len + ext):
+                if first <= pos + 1 < len(req.input_ids):
+                    input_rows.setdefault(i, []).append((offset + pos - req.kv_len, pos + 1))
+        if batch.samples_token[i]:
+            rows.append(offset + ext - 1)
+        offset += ext
+    extra = sorted({r for pairs in input_rows.values() for r, _ in pairs} - set(rows))
+    return LogitRows(rows + extra, input_rows)
+
+
+def record_input_logprobs(
+    req: Req, logits: torch.Tensor, row_index: dict[int, int], pairs: list[tuple[int, int]]
+) -> None:
+    """Append req's prompt-token logprobs for the rows of this forward. Called before the
+    forward's tokens are committed (req.kv_len is still the position of the first row)."""
+    if req.kv_len <= req.logprob_start_len == 0 and not req.input_token_logprobs:
+        # the first prompt token has no logprob: SGLang reports it as None
+        req.input_token_logprobs.append([None, req.input_ids[0]])
+        if req.top_logprobs_num:
+            req.input_top_logprobs.append(None)
+    idx = torch.tensor([row_index[r] for r, _ in pairs])
+    rows = torch.log_softmax(logits[idx], dim=-1)  # [len(pairs), V]
+    for (_, pos), lp in zip(pairs, rows):
+        tok = req.input_ids[pos]
+        req.input_token_logprobs.append([float(lp[tok]), tok])
+        if req.top_logprobs_num:
+            req.input_top_logprobs.append(top_logprobs(lp, req.top_logprobs_num))
+
+
+def record_output_logprob(req: Req, logprobs_row: torch.Tensor, token: int) -> None:
+    req.output_token_logprobs.append([float(logprobs_row[token]), token])
+    if req.top_logprobs_num:
+        req.output_top_logprobs.append(top_logprobs(logprobs_row, req.top_logprobs_num))
+
+
+def top_logprobs(logprobs_row: torch.Tensor, k: int) -> list[list]:
+    """[[logprob, token_id], ...] of the k most likely tokens."""
+    vals, ids = logprobs_row.topk(min(k, logprobs_row.shape[-1]))
+    return [[float(v), int(i)] for v, i in zip(vals.tolist(), ids.tolist())]

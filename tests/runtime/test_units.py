@@ -1,0 +1,184 @@
+"""Model-free unit tests of the scheduler's pure logic: StopChecker, OutputCollector, the
+admission policy (priority tiers, aging, retraction order, budget) and KVManager accounting
+(including the slots of a forward that failed). Milliseconds each; no model is loaded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from plait.registry import SCHEDULE_POLICIES
+from plait.runtime import schedule_policy as policy
+from plait.runtime.output import OutputCollector, StopChecker
+from tests.runtime.units import CharTokenizer, ids, make_kv, make_req
+
+EOS = 0
+
+
+# ---------------------------------------------------------------------- StopChecker
+def run_checker(text: str, **sampling) -> tuple[dict | None, int]:
+    """Feed text one character (token) at a time; (finish reason, tokens consumed)."""
+    checker = StopChecker(CharTokenizer(), (EOS,))
+    req = make_req("r", ids("p"), **{"max_new_tokens": 100, **sampling})
+    for tok in ids(text):
+        req.output_ids.append(tok)
+        checker.check(req)
+        if req.finished:
+            break
+    return req.finished_reason, len(req.output_ids)
+
+
+def test_stop_string_finishes_on_the_token_that_completes_it():
+    assert run_checker("ab END cd", stop=["END"]) == ({"type": "stop", "matched": "END"}, 6)
+
+
+def test_min_new_tokens_defers_stops_and_ignores_an_early_occurrence():
+    # "END" completes at token 3, before min_new_tokens=5: output, not a stop; the next one
+    # (completing at token 11) stops the request
+    reason, n = run_checker("ENDxxxxxEND tail", stop=["END"], min_new_tokens=5)
+    assert reason == {"type": "stop", "matched": "END"} and n == 11
+
+
+def test_eos_and_stop_token_ids_respect_min_new_tokens():
+    assert run_checker("ab\x00cd", min_new_tokens=4)[0] is None  # EOS at token 3: ignored
+    assert run_checker("abcd\x00", min_new_tokens=4) == ({"type": "stop", "matched": EOS}, 5)
+    assert run_checker("abXd", stop_token_ids=[ord("X")]) == (
+        {"type": "stop", "matched": ord("X")}, 3)
+    assert run_checker("ab\x00", ignore_eos=True)[0] is None
+
+
+def test_max_new_tokens_is_a_length_finish():
+    assert run_checker("abcdef", max_new_tokens=4) == ({"type": "length"}, 4)
+
+
+# ---------------------------------------------------------------------- OutputCollector
+def test_output_collector_streams_every_interval_and_always_sends_finished():
+    out = OutputCollector(stream_interval=2)
+    streaming = make_req("s", ids("p"), max_new_tokens=10)
+    streaming.stream = True
+    quiet = make_req("q", ids("p"), max_new_tokens=10)
+    streaming.output_ids, quiet.output_ids = ids("a"), ids("a")
+    out.add(streaming)
+    out.add(quiet)
+    assert out.flush() == []  # 1 new token < interval; quiet is not streaming
+    streaming.output_ids.append(ord("b"))
+    [msg] = out.flush()
+    assert msg.rids == ["s"] and msg.new_token_ids == [ids("ab")]
+    quiet.finish("length")
+    out.add(quiet)
+    [msg] = out.flush()
+    assert msg.rids == ["q"] and msg.finished_reasons == [{"type": "length"}]
+    assert msg.extra_meta[0]["forced_tokens"] == 0
+
+
+def test_output_collector_discard_drops_a_failed_request():
+    out = OutputCollector(stream_interval=1)
+    req = make_req("r", ids("p"))
+    req.finish("stop")
+    out.add(req)
+    out.discard(req)
+    assert out.flush() == []
+
+
+# ---------------------------------------------------------------------- schedule policy
+def test_priority_orders_waiting_requests_then_the_policy_within_a_tier():
+    kv = make_kv()
+    low, high, mid = make_req("low", ids("aaaa")), make_req("high", ids("bb"), 5), make_req(
+        "mid", ids("cc"), 1)
+    for name in SCHEDULE_POLICIES.names():
+        assert policy.order_waiting([low, high, mid], name, kv) == [high, mid, low]
+
+
+def test_lpm_within_a_tier_and_fcfs_keeps_arrival_order():
+    kv = make_kv()
+    cached = make_req("cached", ids("shared prefix!!"))
+    assert kv.admit(cached) and kv.alloc(cached, cached.pending_len)
+    kv.commit(cached, cached.pending_len)
+    kv.release(cached)  # its tokens are now in the tree
+    fresh, hit = make_req("fresh", ids("zzzz")), make_req("hit", ids("shared prefix??"))
+    assert policy.order_waiting([fresh, hit], "lpm", kv) == [hit, fresh]
+    assert policy.order_waiting([fresh, hit], "fcfs", kv) == [fresh, hit]
+
+
+def test_aging_bounds_starvation():
+    kv = make_kv()
+    now = time.monotonic()
+    old = make_req("old", ids("a"), priority=0)
+    new = make_req("new", ids("b"), priority=2)
+    old.arrival_time = now - (2 + 1) * policy.PRIORITY_AGING_S - 0.1  # waited (q - p + 1) * A
+    new.arrival_time = now
+    assert policy.priority_tier(old, now) == 3 > policy.priority_tier(new, now) == 2
+    assert policy.order_waiting([new, old], "fcfs", kv) == [old, new]
+    old.arrival_time = now - 2 * policy.PRIORITY_AGING_S + 0.1  # not yet: still behind
+    assert policy.order_waiting([new, old], "fcfs", kv) == [new, old]
+
+
+def test_retraction_takes_the_lowest_priority_first():
+    a, b, c = make_req("a", ids("a"), 1), make_req("b", ids("b"), 0), make_req("c", ids("c"), 0)
+    a.output_ids, b.output_ids, c.output_ids = [], ids("xxxx"), ids("xx")
+    assert policy.retraction_victim([a, b, c]) is c  # lowest priority, then least progress
+
+
+def test_admit_respects_budget_room_and_chunks_the_last():
+    kv = make_kv(size=64)
+    reqs = [make_req(f"r{i}", list(range(1, 21)), max_new_tokens=4) for i in range(3)]
+    adm = policy.admit(reqs, kv, budget=30, max_new_reqs=8, reserve=0)
+    assert [r.rid for r in adm.reqs] == ["r0", "r1"] and adm.extend_lens == [20, 10]
+    assert adm.chunked is reqs[1]
+    adm2 = policy.admit(reqs[2:], make_kv(), budget=100, max_new_reqs=0, reserve=0)
+    assert adm2.reqs == []  # no room for another running request
+
+
+def test_admit_keeps_room_for_the_decode_reserve():
+    kv = make_kv(size=32)
+    req = make_req("r", list(range(1, 21)), max_new_tokens=8)
+    assert policy.admit([req], kv, budget=100, max_new_reqs=8, reserve=10).reqs == []
+    assert kv.used == 0 and kv.req_to_token.free_size == 4  # refused admission let go of all
+
+
+# ---------------------------------------------------------------------- KVManager
+def test_kv_manager_lifecycle_returns_to_idle():
+    kv = make_kv(size=64)
+    idle_free = kv.kv_pool.free_size
+    req = make_req("r", list(range(1, 11)))
+    assert kv.admit(req) and kv.alloc(req, 10)
+    kv.commit(req, 10)
+    kv.cache_prefilled(req)
+    req.output_ids.append(99)
+    assert kv.alloc(req, 1)
+    kv.commit(req, 1)
+    assert kv.used == 11
+    kv.release(req)
+    assert kv.used == 0 and kv.req_to_token.free_size == 4
+    assert kv.kv_pool.free_size + kv.cache.evictable_size() == idle_free
+    assert kv.cache.protected_size() == 0
+
+
+def test_kv_manager_frees_the_slots_of_a_failed_forward():
+    kv = make_kv(size=64, cache=True)
+    req = make_req("r", list(range(1, 11)))
+    assert kv.admit(req) and kv.alloc(req, 10)  # the forward would run now ... and fails
+    assert kv.kv_pool.free_size == 54
+    kv.release(req)
+    assert kv.kv_pool.free_size == 64 and kv.cache.total_size() == 0
+    assert kv.req_to_token.free_size == 4
+
+
+def test_kv_manager_cannot_allocate_twice_for_one_forward():
+    kv = make_kv()
+    req = make_req("r", list(range(1, 5)))
+    assert kv.admit(req) and kv.alloc(req, 4)
+    with pytest.raises(AssertionError):
+        kv.alloc(req, 1)
+
+
+def test_kv_manager_evicts_unlocked_cache_to_allocate():
+    kv = make_kv(size=16)
+    a = make_req("a", list(range(1, 13)))
+    assert kv.admit(a) and kv.alloc(a, 12)
+    kv.commit(a, 12)
+    kv.release(a)  # 12 tokens cached, evictable
+    b = make_req("b", list(range(50, 62)))
+    assert kv.admit(b) and kv.alloc(b, 12)  # needs eviction of a's tokens
+    assert kv.cache.evictable_size() <= 4
