@@ -1,42 +1,51 @@
 """ReAct agent: the model picks a tool with `select`, writes its argument under a regex, Python
-runs the tool and appends the observation; up to `max_steps` steps, then a final answer.
+runs the tool and appends the observation; then it gives a final answer that is checked.
 
-    python examples/react_agent.py [--url http://127.0.0.1:30000] [--steps 5]
+    python examples/react_agent.py [--url URL | --model PATH] [--limit N] [--steps 3]
 
+The tasks are lookups (a population table) and arithmetic (a calculator): the tools do the
+computing, the model chooses the tool, fills its argument and copies the result into its answer.
 Control flow depends on generated values (`s["action0"]` waits for that select), so each
-program is plain Python around the model. (The default model has random weights: the agent
-wanders, but every argument parses and every tool call runs.)
+program is plain Python around the model. The last line prints solved/total.
 """
 
 from __future__ import annotations
 
 import argparse
 import operator
+import random
 
 import plait as pl
 
-FACTS = {"paris": 2_102_650, "tokyo": 13_960_000, "lagos": 15_388_000, "oslo": 709_037}
+FACTS = {
+    "paris": 2_102_650,
+    "tokyo": 13_960_000,
+    "lagos": 15_388_000,
+    "oslo": 709_037,
+    "cairo": 9_539_673,
+    "lima": 10_004_000,
+}
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 CALC_RE = r"[0-9]{1,8} [-+*] [0-9]{1,8}"
 LOOKUP_RE = "(" + "|".join(FACTS) + ")"
+TOOLS = ["lookup", "calculator", "finish"]
 
-INSTRUCTIONS = f"""Answer the question using tools. Each step: a Thought, then an Action.
-Actions:
-  lookup[city]      population of a city, one of: {", ".join(FACTS)}
-  calculator[a op b] integer arithmetic, op is one of + - *
-  finish[n]         the final answer, an integer
-Example:
-Question: How many people live in Oslo and Paris together?
-Thought: I need both populations.
+INSTRUCTIONS = f"""Answer the question with one tool call, then finish with the result.
+Tools:
+  lookup[city]        population of a city, one of: {", ".join(FACTS)}
+  calculator[a op b]  integer arithmetic, op is one of + - *
+  finish[n]           the final answer, an integer
+
+Question: What is 12 * 3?
+Action: calculator[12 * 3]
+Observation: 36
+Action: finish[36]
+
+Question: What is the population of oslo?
 Action: lookup[oslo]
 Observation: 709037
+Action: finish[709037]
 """
-
-QUESTIONS = [
-    "How many more people live in Tokyo than in Paris?",
-    "What is the population of Lagos times 2?",
-    "Which is larger, Oslo or Paris, and by how much?",
-]
 
 
 def calculator(expr: str) -> int:
@@ -44,61 +53,86 @@ def calculator(expr: str) -> int:
     return OPS[op](int(a), int(b))
 
 
+def make_tasks(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """n (question, expected answer) pairs, alternating lookups and arithmetic."""
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(n):
+        if i % 2 == 0:
+            city = rng.choice(sorted(FACTS))
+            tasks.append((f"What is the population of {city}?", FACTS[city]))
+        else:
+            a, b, op = rng.randint(10, 999), rng.randint(2, 99), rng.choice("+-*")
+            tasks.append((f"What is {a} {op} {b}?", calculator(f"{a} {op} {b}")))
+    return tasks
+
+
+def is_solved(answer: str | None, expected: int) -> bool:
+    try:
+        return answer is not None and int(answer) == expected
+    except ValueError:
+        return False
+
+
 @pl.function
-def agent(s, question, max_steps=5):
+def agent(s, question, max_steps=3):
     s += INSTRUCTIONS + "\nQuestion: " + question + "\n"
     trace = []
     for i in range(max_steps):
-        s += "Thought:" + pl.gen(f"thought{i}", max_tokens=16, stop="\n", temperature=0) + "\n"
-        s += "Action: " + pl.select(f"action{i}", ["lookup", "calculator", "finish"]) + "["
+        s += "Action: " + pl.select(f"action{i}", TOOLS) + "["
         action = s[f"action{i}"]  # blocks until the select is decided
         if action == "finish":
-            s += pl.gen_int("answer", max_tokens=10) + "]\n"
-            trace.append(("finish", s["answer"], None))
-            return trace
-        if action == "lookup":
-            s += pl.gen(f"arg{i}", regex=LOOKUP_RE, max_tokens=6)
-            observation = FACTS[s[f"arg{i}"]]
-        else:
-            s += pl.gen(f"arg{i}", regex=CALC_RE, max_tokens=16)
-            observation = calculator(s[f"arg{i}"])
+            break
+        regex = LOOKUP_RE if action == "lookup" else CALC_RE
+        s += pl.gen(f"arg{i}", regex=regex, max_tokens=16, temperature=0)
+        arg = s[f"arg{i}"]
+        observation = FACTS[arg] if action == "lookup" else calculator(arg)
         s += f"]\nObservation: {observation}\n"
-        trace.append((action, s[f"arg{i}"], observation))
-    s += "Action: finish[" + pl.gen_int("answer", max_tokens=10) + "]\n"  # out of steps
-    trace.append(("finish", s["answer"], None))
+        trace.append((action, arg, observation))
+    else:
+        s += "Action: finish["  # out of steps: answer now
+    # the closing bracket is part of the regex so the model can end the number itself
+    s += pl.gen("answer", regex=r"-?[0-9]{1,10}\]", max_tokens=12, temperature=0) + "\n"
+    trace.append(("finish", s["answer"].rstrip("]"), None))
     return trace
 
 
-def main(n_questions: int = 3, max_steps: int = 5, backend: pl.Backend | None = None):
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(n_questions)]
+def main(limit: int = 10, max_steps: int = 3, backend: pl.Backend | None = None) -> dict:
+    tasks = make_tasks(limit)
     states = agent.run_batch(
-        [{"question": q, "max_steps": max_steps} for q in questions], backend=backend
+        [{"question": q, "max_steps": max_steps} for q, _ in tasks], backend=backend
     )
-    for question, state in zip(questions, states):
-        print("Q:", question)
+    solved = 0
+    for (question, expected), state in zip(tasks, states):
         if state.error() is not None:
-            print("  failed:", state.error())
+            print(f"Q: {question}\n  failed: {state.error()}")
             continue
-        for step, (action, arg, observation) in enumerate(state.ret_value):
-            shown = "" if observation is None else f" -> {observation}"
-            print(f"  {step}: {action}[{arg}]{shown}")
-        print(
-            f"  answer: {int(state['answer'])}  ({state.usage.requests} requests, "
-            f"{state.usage.cached_token_fraction:.0%} of prompt tokens cached)"
+        ok = is_solved(state.ret_value[-1][1], expected)
+        solved += ok
+        steps = " ".join(
+            f"{a}[{arg}]" + ("" if obs is None else f"->{obs}") for a, arg, obs in state.ret_value
         )
+        print(f"{'ok ' if ok else 'BAD'} Q: {question} (expected {expected})\n    {steps}")
     print(states.summary)
-    return states
+    print(f"react agent solved {solved}/{len(tasks)} ({solved / len(tasks):.0%})")
+    return {"solved": solved, "total": len(tasks), "states": states}
+
+
+def backend_from_args(args: argparse.Namespace) -> pl.Backend:
+    if args.url:
+        return pl.RuntimeEndpoint(args.url)
+    return pl.EngineBackend(args.model)  # None: plait's default model
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running `plait serve` (default: the embedded model)")
-    parser.add_argument("--questions", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--url", help="a running `plait serve` (default: an in-process engine)")
+    parser.add_argument("--model", help="model path or name (default: plait's default model)")
+    parser.add_argument("--limit", type=int, default=10, help="number of tasks")
+    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    backend = pl.RuntimeEndpoint(args.url) if args.url else pl.EngineBackend()
-    pl.set_default_backend(backend)
+    backend = backend_from_args(args)
     try:
-        main(args.questions, args.steps)
+        main(args.limit, args.steps, backend)
     finally:
         backend.shutdown()

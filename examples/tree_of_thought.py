@@ -1,85 +1,98 @@
-"""Tree of thought: branch, score each branch with `select`, keep the best, branch again.
+"""Tree of thought on small sums: at each step fork into branches that each propose the next
+partial sum, keep the value most branches agree on (ties: the branch whose own check the model
+scores highest with `select`), and go on from it. The final answer is checked.
 
-    python examples/tree_of_thought.py [--url http://127.0.0.1:30000] [--depth 3] [--branches 3]
+    python examples/tree_of_thought.py [--url URL | --model PATH] [--limit N] [--branches 3]
 
 `s.fork(n)` commits the text so far to the runtime once (one prefill), so every branch's
-requests hit the radix cache; `get_meta_info(name)` shows each request's cached tokens. (The
-default model has random weights: the thoughts are gibberish, the search is real.)
+requests hit the radix cache; `forks.join()` gathers each branch's variables. The last line
+prints solved/total.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+from collections import Counter
 
 import plait as pl
 
-PROBLEM = "Plan a three-day trip to Kyoto on a small budget, visiting temples and gardens."
-VERDICTS = [" promising", " unclear", " hopeless"]
+VERDICTS = [" yes", " no"]
+
+
+def make_tasks(n: int, seed: int = 0) -> list[list[int]]:
+    """n lists of three small numbers to add."""
+    rng = random.Random(seed)
+    return [[rng.randint(1, 20) for _ in range(3)] for _ in range(n)]
+
+
+def choose(values: list[str], check_scores: list[float]) -> int:
+    """The branch to keep: the most common value, ties broken by the check score of " yes"."""
+    counts = Counter(values)
+    return max(range(len(values)), key=lambda i: (counts[values[i]], check_scores[i]))
 
 
 @pl.function
-def tree_of_thought(s, problem, depth=3, branches=3):
-    s += "You solve problems step by step, trying several ideas at each step.\n"
-    s += "Problem: " + problem + "\n"
-    tree = []
-    for level in range(depth):
+def add_up(s, numbers, branches=3):
+    s += "Add the numbers one at a time.\n"
+    s += "Example: 4 + 7 + 2. Step 1: 4 + 7 = 11. Step 2: 11 + 2 = 13. Answer: 13\n"
+    s += " + ".join(map(str, numbers)) + "."
+    total, tree = numbers[0], []
+    for step, n in enumerate(numbers[1:], start=1):
+        s += f" Step {step}: {total} + {n} ="
         forks = s.fork(branches)
         for i, f in enumerate(forks):
-            f += f"Step {level + 1}, idea {i + 1}:"
-            f += pl.gen("thought", max_tokens=16, stop="\n", temperature=0.8, seed=10 * level + i)
-            f += "\nThis idea is" + pl.select("verdict", VERDICTS)
-        nodes = []
-        for f in forks:  # reading a branch waits for it; the branches ran concurrently
-            gen_meta, verdict = f.get_meta_info("thought"), f.get_meta_info("verdict")
-            nodes.append(
-                {
-                    "thought": f["thought"].strip(),
-                    "verdict": f["verdict"].strip(),
-                    "score": verdict["scores"][0],  # mean logprob of " promising"
-                    "cached": gen_meta["cached_tokens"],
-                    "prompt": gen_meta["prompt_tokens"],
-                }
-            )
+            f += " " + pl.gen_int("value", max_tokens=4, temperature=0.7, seed=100 * step + i)
+            f += ". Is that right?" + pl.select("check", VERDICTS)
+        values = [f["value"] for f in forks]  # reading a branch waits for it
+        scores = [f.get_meta_info("check")["scores"][0] for f in forks]
         forks.join()
-        best = max(range(branches), key=lambda i: nodes[i]["score"])
-        tree.append({"nodes": nodes, "best": best})
-        s += f"Step {level + 1}: " + nodes[best]["thought"] + "\n"  # prune: only the best goes on
-    s += "Plan:" + pl.gen("plan", max_tokens=24, stop="\n", temperature=0)
-    return tree
+        best = choose(values, scores)
+        tree.append({"values": values, "scores": scores, "best": best})
+        total = int(values[best])
+        s += f" {total}."  # prune: only the kept value goes on
+    s += " Answer: " + str(total)
+    return {"tree": tree, "answer": total}
 
 
-def main(depth: int = 3, branches: int = 3, backend: pl.Backend | None = None):
-    state = tree_of_thought.run(problem=PROBLEM, depth=depth, branches=branches, backend=backend)
-    if state.error() is not None:
-        raise state.error()
-    print("problem:", PROBLEM)
-    for level, step in enumerate(state.ret_value):
-        print(f"step {level + 1}")
-        for i, node in enumerate(step["nodes"]):
-            mark = "*" if i == step["best"] else " "
-            print(
-                f"  {mark} [{node['score']:7.3f} {node['verdict']:<9}] "
-                f"cached {node['cached']:3d}/{node['prompt']:<3d} {node['thought']!r}"
-            )
-    plan = state.get_meta_info("plan")
-    print(f"plan: {state['plan']!r} (cached {plan['cached_tokens']}/{plan['prompt_tokens']})")
-    usage = state.usage  # every request of the program, branches included
-    print(
-        f"{usage.requests} requests, {usage.prompt_tokens} prompt tokens, "
-        f"{usage.cached_token_fraction:.1%} cached, {usage.completion_tokens} generated"
+def main(limit: int = 10, branches: int = 3, backend: pl.Backend | None = None) -> dict:
+    tasks = make_tasks(limit)
+    states = add_up.run_batch(
+        [{"numbers": t, "branches": branches} for t in tasks], backend=backend
     )
-    return state
+    solved = 0
+    for numbers, state in zip(tasks, states):
+        if state.error() is not None:
+            print(f"{numbers}: failed: {state.error()}")
+            continue
+        answer = state.ret_value["answer"]
+        ok = answer == sum(numbers)
+        solved += ok
+        steps = " | ".join(
+            f"{node['values']} keep {node['values'][node['best']]}"
+            for node in state.ret_value["tree"]
+        )
+        print(f"{'ok ' if ok else 'BAD'} {' + '.join(map(str, numbers))} = {answer}   {steps}")
+    print(states.summary)
+    print(f"tree of thought solved {solved}/{len(tasks)} ({solved / len(tasks):.0%})")
+    return {"solved": solved, "total": len(tasks), "states": states}
+
+
+def backend_from_args(args: argparse.Namespace) -> pl.Backend:
+    if args.url:
+        return pl.RuntimeEndpoint(args.url)
+    return pl.EngineBackend(args.model)  # None: plait's default model
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running `plait serve` (default: the embedded model)")
-    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--url", help="a running `plait serve` (default: an in-process engine)")
+    parser.add_argument("--model", help="model path or name (default: plait's default model)")
+    parser.add_argument("--limit", type=int, default=10, help="number of tasks")
     parser.add_argument("--branches", type=int, default=3)
     args = parser.parse_args()
-    backend = pl.RuntimeEndpoint(args.url) if args.url else pl.EngineBackend()
-    pl.set_default_backend(backend)
+    backend = backend_from_args(args)
     try:
-        main(args.depth, args.branches)
+        main(args.limit, args.branches, backend)
     finally:
         backend.shutdown()
