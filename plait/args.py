@@ -83,7 +83,10 @@ class ServerArgs:
         "kept for default and interactive requests",
     )
     request_timeout: float = _opt(
-        600.0, "seconds before an unfinished request is aborted and answered 504 (0: never)"
+        300.0,
+        "seconds a request waits while the scheduler makes no progress at all (no output for "
+        "any request) before it is aborted and answered 504 (0: never); a request queued "
+        "behind others in a busy server is not aborted",
     )
     max_request_bytes: int = _opt(
         16 << 20, "largest HTTP request body accepted; larger ones get 413"
