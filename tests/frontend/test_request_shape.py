@@ -170,8 +170,8 @@ async def test_long_prompt_is_tokenized_off_the_event_loop(tiny_llama):
 async def test_request_timeout_counts_only_time_without_scheduler_progress():
     """The deadline fires when nothing at all comes from the scheduler for request_timeout
     seconds, never while the scheduler keeps answering other requests (a long batch)."""
-    from types import SimpleNamespace
     import time
+    from types import SimpleNamespace
 
     tm = SimpleNamespace(args=SimpleNamespace(request_timeout=0.3), last_progress=time.monotonic())
     state = SimpleNamespace(event=asyncio.Event())
