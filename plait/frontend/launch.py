@@ -208,7 +208,8 @@ def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
         })
         for rank in range(1, args.tp_size):  # tensor-parallel ranks > 0: forwards only
             rt.procs[f"tp{rank}"] = ChildProcess(f"tp{rank}", "tp_worker", {
-                "args": dataclasses.asdict(args), "model_path": model_path, "rank": rank,
+                "args": dataclasses.asdict(args.replace(api_key=None)), "model_path": model_path,
+                "rank": rank,
                 "tp_init": tp_init,
             })
         rt.procs["detokenizer"].wait_ready(STARTUP_TIMEOUT_S)

@@ -57,6 +57,7 @@ class TokenizerManager:
         self._addrs = addrs
         self.states: dict[str, ReqState] = {}
         self.dead: str | None = None
+        self.last_progress = time.monotonic()  # last message from the scheduler side
         self._nonce = itertools.count()
         self._control: dict[Any, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
@@ -141,7 +142,7 @@ class TokenizerManager:
         """Yields the request's state each time output arrives (every step when streaming,
         once at the end otherwise); the last one has finished_reason set."""
         self.check_alive()
-        deadline = self._deadline()
+        started = time.monotonic()
         ids = await self.tokenize(req)
         self.validate(ids, req)
         rid = req.rid or uuid.uuid4().hex
@@ -161,7 +162,7 @@ class TokenizerManager:
                 )
             )
             while True:
-                await self._wait(state, deadline)
+                await self._wait(state, started)
                 state.event.clear()
                 if state.error is not None:
                     raise state.error
@@ -172,23 +173,30 @@ class TokenizerManager:
             if self.states.pop(rid, None) is not None and state.finished_reason is None:
                 self.abort(rid)  # the consumer went away (disconnect, cancel, deadline)
 
-    def _deadline(self) -> float | None:
-        timeout = getattr(self.args, "request_timeout", None)
-        return time.monotonic() + timeout if timeout else None
-
-    async def _wait(self, state: ReqState, deadline: float | None) -> None:
-        if deadline is None:
+    async def _wait(self, state: ReqState, started: float) -> None:
+        """Wait for the request's next output. --request-timeout bounds how long a request
+        waits while the scheduler makes no progress at all (no message from it for any
+        request): a stalled scheduler does not hang clients forever, while a request queued
+        behind thousands of others in a long batch job is not aborted."""
+        timeout = self.args.request_timeout
+        if not timeout:
             await state.event.wait()
             return
-        try:
-            await asyncio.wait_for(state.event.wait(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise RequestError(
-                None,
-                f"request timed out: no result within {self.args.request_timeout:g} s "
-                "(--request-timeout); it was aborted",
-                504,
-            ) from None
+        while True:
+            quiet_since = max(started, self.last_progress)
+            remaining = quiet_since + timeout - time.monotonic()
+            try:
+                await asyncio.wait_for(state.event.wait(), max(0.0, remaining))
+                return
+            except asyncio.TimeoutError:
+                if self.last_progress > quiet_since:
+                    continue  # the scheduler answered meanwhile: keep waiting
+                raise RequestError(
+                    None,
+                    f"request timed out: the scheduler made no progress for {timeout:g} s "
+                    "(--request-timeout); it was aborted",
+                    504,
+                ) from None
 
     async def generate_one(self, req: ReqInput) -> ReqState:
         state = None
@@ -223,6 +231,7 @@ class TokenizerManager:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.receiver.recv()
+            self.last_progress = time.monotonic()
             if isinstance(msg, BatchStrOut):
                 self._on_output(msg)
             elif isinstance(msg, RequestErrorOut):

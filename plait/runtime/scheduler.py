@@ -102,10 +102,13 @@ class Scheduler:
 
     def step_safely(self, idle_wait_s: float = 0.0) -> None:
         """step(); an error outside any one request's step fails the requests in flight
-        (their state cannot be trusted) and the loop goes on."""
+        (their state cannot be trusted) and the loop goes on. Under tensor parallelism it is
+        fatal instead: the other ranks may be out of step (the server then exits)."""
         try:
             self.step(idle_wait_s)
         except Exception as e:
+            if self.runner.tp.size > 1:
+                raise
             logger.exception("scheduler step failed; failing the requests in flight")
             self.fail_all(RequestFailed(f"internal error: {type(e).__name__}: {e}", 500))
             self._flush_outputs()

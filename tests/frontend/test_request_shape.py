@@ -165,3 +165,31 @@ async def test_long_prompt_is_tokenized_off_the_event_loop(tiny_llama):
     blocking.release.set()
     ids = await task
     assert len(ids) >= INLINE_TOKENIZE_CHARS
+
+
+async def test_request_timeout_counts_only_time_without_scheduler_progress():
+    """The deadline fires when nothing at all comes from the scheduler for request_timeout
+    seconds, never while the scheduler keeps answering other requests (a long batch)."""
+    import time
+    from types import SimpleNamespace
+
+    tm = SimpleNamespace(args=SimpleNamespace(request_timeout=0.3), last_progress=time.monotonic())
+    state = SimpleNamespace(event=asyncio.Event())
+    started = time.monotonic()
+
+    async def other_requests_progress():  # the scheduler serves others for 0.9 s
+        while time.monotonic() - started < 0.9:
+            tm.last_progress = time.monotonic()
+            await asyncio.sleep(0.05)
+        state.event.set()  # then this request's output arrives
+
+    task = asyncio.create_task(other_requests_progress())
+    await TokenizerManager._wait(tm, state, started)  # 3x the timeout, no error
+    await task
+    assert time.monotonic() - started >= 0.85
+
+    state.event.clear()
+    stalled = time.monotonic()
+    with pytest.raises(RequestError) as e:  # nothing comes any more: 504 after the timeout
+        await TokenizerManager._wait(tm, state, stalled)
+    assert e.value.status == 504 and 0.25 <= time.monotonic() - stalled < 2

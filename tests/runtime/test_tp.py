@@ -182,6 +182,7 @@ def tp1_mixed(tiny_llama):
 @pytest.mark.model
 def test_tp2_llama_matches_transformers_and_tp1(tiny_llama, llama_ref, tp1_mixed):
     prompts, ref = llama_ref
+    before = _descendants(os.getpid())  # other tests' servers may still be running
     engine = plait.Engine(tiny_llama, tp_size=2, chunked_prefill_size=16, **ENGINE)
     try:
         assert engine.model_info["tp_size"] == 2
@@ -215,7 +216,7 @@ def test_tp2_llama_matches_transformers_and_tp1(tiny_llama, llama_ref, tp1_mixed
             time.sleep(0.2)
         assert engine.get_server_info()["kv_used"] == 0
 
-        children = _descendants(os.getpid())
+        children = _descendants(os.getpid()) - before
         pids = {name: p.pid for name, p in engine._runtime.procs.items()}
         assert set(pids) == {"detokenizer", "scheduler", "tp1"}
         assert set(pids.values()) <= children
@@ -246,9 +247,10 @@ def test_indivisible_heads_fail_before_any_process_starts(tiny_llama):
 
 @pytest.mark.model
 def test_a_dead_rank_fails_requests_with_503_and_nothing_hangs(tiny_llama):
+    before = _descendants(os.getpid())  # other tests' servers may still be running
     engine = plait.Engine(tiny_llama, tp_size=2, **ENGINE)
     try:
-        children = _descendants(os.getpid())
+        children = _descendants(os.getpid()) - before
         stream = engine.generate(input_ids=[1, 2, 3], stream=True, sampling_params={
             "max_new_tokens": 2000, "ignore_eos": True, "temperature": 0.0})
         next(stream)
