@@ -20,6 +20,8 @@ from plait.errors import RequestError
 from plait.frontend.replicas import free_port_block, replica_args, router_command
 from plait.frontend.router_compat import strip_router_fields
 from tests.frontend.server_utils import assert_error, sse_events, wait_for
+from tests.procs import alive as _alive
+from tests.procs import descendants as _descendants
 
 START_TIMEOUT_S = 600.0
 PREFIX_A = "You grade answers about astronomy. " * 12
@@ -127,33 +129,6 @@ def test_replica_ports_and_router_command():
 
 
 # ---------------------------------------------------------------------- deployment
-def _descendants(pid: int) -> set[int]:
-    """Every live process below pid (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 class Deployment:
     def __init__(self, log_path) -> None:
         self.port = free_port_block(3)

@@ -22,6 +22,8 @@ from plait.radix_cache.kv_pool import ReqToTokenPool
 from plait.runtime.model_runner import ForwardInputs
 from plait.runtime.parallel import ModelSharding, TPGroup, check_tp_divisible
 from plait.runtime.tp_worker import BatchSender, ForwardMessage, RowUpdate, decode, encode
+from tests.procs import alive as _alive
+from tests.procs import descendants as _descendants
 from tests.runtime.test_parity import assert_matches, hf_reference, make_prompts, run_plait
 
 MAX_NEW = 16
@@ -135,32 +137,6 @@ def test_tp_flag():
 
 
 # ----------------------------------------------------------------------------- processes
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie runs no code
-    except OSError:
-        return False
-
-
 def _mixed(engine: plait.Engine) -> list[dict]:
     prompt = make_prompts(8, 8192, seed=3)[7]
     return [engine.generate(input_ids=prompt, sampling_params={"temperature": 0.0, **sp}, **kw)
