@@ -44,7 +44,8 @@ class InProcess:
     def __init__(self, model: str, **server_args: Any) -> None:
         from plait.args import ServerArgs
         from plait.runtime.scheduler import Scheduler
-        from plait.runtime.scheduler_process import InProcessIO, load_tokenizer
+        from plait.models.tokenizer import load_tokenizer
+        from plait.runtime.scheduler_process import InProcessIO
 
         args = ServerArgs(model_path=model, log_level="warning", **server_args)
         self.io = InProcessIO()

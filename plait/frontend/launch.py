@@ -26,6 +26,7 @@ from typing import Any
 
 from plait.args import ServerArgs
 from plait.models.resolve import resolve_model_path
+from plait.models.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ def launch_with_tokenizer(args: ServerArgs) -> tuple[RuntimeProcesses, Any]:
 
     model_path = resolve_model_path(args.resolved_model_path)
     with ThreadPoolExecutor(1) as pool:
-        tokenizer = pool.submit(_load_tokenizer, args.tokenizer_path or model_path)
+        tokenizer = pool.submit(load_tokenizer, args.tokenizer_path or model_path)
         runtime = launch_runtime(args.replace(model_path=model_path))
         try:
             return runtime, tokenizer.result()
@@ -272,7 +273,3 @@ def launch_with_tokenizer(args: ServerArgs) -> tuple[RuntimeProcesses, Any]:
             raise
 
 
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

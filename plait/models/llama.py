@@ -62,9 +62,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
-        t = torch.arange(max_pos, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_pos, head_dim / 2]
+        # computed on the CPU even inside load_model's meta-device build: arange on the meta
+        # device goes through torch._refs and imports torch._dynamo (2.8 s per start)
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
+            t = torch.arange(max_pos, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # [max_pos, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
@@ -141,7 +144,10 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     def __init__(self, cfg: Any, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight: no random init of a weight the checkpoint overwrites
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, attn_backend) for i in range(cfg.num_hidden_layers)
         )
@@ -184,7 +190,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            # skip_init: no random init of a weight the checkpoint overwrites
+            self.lm_head = torch.nn.utils.skip_init(
+                nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, device="meta"
+            )
 
     @torch.inference_mode()
     def forward(

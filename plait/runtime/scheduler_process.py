@@ -13,6 +13,7 @@ import zmq
 
 from plait.args import ServerArgs
 from plait.messages import MessageReceiver, MessageSender
+from plait.models.tokenizer import load_tokenizer
 from plait.runtime.scheduler import Scheduler
 from plait.runtime.tp_worker import attach_sender, start_rank
 
@@ -53,12 +54,6 @@ class InProcessIO:
 
     def send(self, msg: Any) -> None:
         self.outbox.append(msg)
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def model_info(scheduler: Scheduler, model_path: str) -> dict[str, Any]:

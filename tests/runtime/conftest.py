@@ -6,7 +6,8 @@ import pytest
 
 from plait.args import ServerArgs
 from plait.runtime.scheduler import Scheduler
-from plait.runtime.scheduler_process import InProcessIO, load_tokenizer
+from plait.models.tokenizer import load_tokenizer
+from plait.runtime.scheduler_process import InProcessIO
 
 
 @pytest.fixture(scope="module")

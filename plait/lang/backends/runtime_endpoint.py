@@ -176,11 +176,11 @@ def _tokenizer_paths(info: dict[str, Any]) -> list[str]:
 
 
 def _load_tokenizer(paths: list[str]) -> Any:
-    from transformers import AutoTokenizer
+    from plait.models.tokenizer import load_tokenizer
 
     for path in paths:
         try:
-            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+            return load_tokenizer(path, local_files_only=True)
         except Exception as e:  # not on this machine: fall back to the text protocol
             logger.info("no local tokenizer at %s (%s)", path, e)
     return None
