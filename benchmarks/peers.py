@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_VENV = HERE / ".venv-peers"
+DEFAULT_VENV = Path(os.environ.get("PEERS_VENV") or HERE / ".venv-peers")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 ENGINES = {"vllm (prefix cache on)": True, "vllm (prefix cache off)": False}
 LLAMACPP_PREFIX = "llama.cpp"
