@@ -927,8 +927,9 @@ def main(argv=None) -> int:
         model = (args.models or "plait-tiny").split(",")[0]
         cargv = ["--model", model, "--repeats", str(args.repeats), "--competitor",
                  args.competitor, "--engines",
-                 ",".join(e for e in ("plait", "vllm") if e in args.engine_set),
+                 ",".join(e for e in ("plait", "vllm", "llamacpp") if e in args.engine_set),
                  "--peers-venv", str(args.peers_venv)]
+        cargv += [a for g in (args.gguf or []) for a in ("--gguf", g)]
         return contention.main(cargv + (["--quick"] if args.quick else []))
 
     import torch
