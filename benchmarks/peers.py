@@ -281,7 +281,8 @@ class LlamaCppPeer:
         unified = shared < sum(len(p) for p in prompts) - 32 * n or n == 1
         if unified:
             cells = shared + n * (max_new_tokens + 1)
-        else:
+        else:  # per-sequence buffers: llama.cpp copies only whole sequences between them
+            levels = [[(i, 0, len(p), None) for i, p in enumerate(prompts)]]
             cells = n * (max(len(p) for p in prompts) + max_new_tokens + 1)
         ctx = self._context(n, cells, unified)
         mem = lc.llama_get_memory(ctx)

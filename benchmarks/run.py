@@ -127,11 +127,11 @@ class PeerWorker:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(
-                f"vLLM worker exited (code {self.proc.poll()}); see {self._log.name}"
+                f"peer worker exited (code {self.proc.poll()}); see {self._log.name}"
             )
         msg = json.loads(line)
         if not msg.get("ok"):
-            raise RuntimeError(f"vLLM worker: {msg.get('error')}")
+            raise RuntimeError(f"peer worker: {msg.get('error')}")
         return msg
 
     def request(self, msg: dict) -> dict:
