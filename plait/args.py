@@ -127,6 +127,10 @@ class ServerArgs:
         "the latest earlier match of the sequence's last n-gram and verify them in one forward "
         "(greedy requests without grammar or penalties; output unchanged); 0: off",
     )
+    speculative_ngram_max_tokens: int = _opt(
+        16, "most draft tokens verified per forward, summed over its requests (drafts widen "
+        "the forward; requests whose drafts were accepted most get them first)",
+    )
     speculative_ngram_max_match: int = _opt(3, "longest n-gram matched for --speculative-ngram")
     speculative_ngram_min_match: int = _opt(1, "shortest n-gram matched for --speculative-ngram")
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")

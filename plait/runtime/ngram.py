@@ -12,6 +12,8 @@ instead of a scan of the whole sequence.
 
 from __future__ import annotations
 
+import math
+
 
 class NgramIndex:
     """One request's n-grams (sizes min_n..max_n) -> end of their latest occurrence."""
@@ -21,6 +23,15 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self.indexed_end = 0  # n-grams ending at or before this (exclusive end) are indexed
+        self.acceptance = 1.0  # moving average of the accepted fraction of this one's drafts
+
+    def draft_len(self, k: int) -> int:
+        """Draft length for this request: k scaled by its recent acceptance (at least 1, so a
+        request whose drafts started matching again is noticed)."""
+        return max(1, math.ceil(k * self.acceptance))
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / proposed)
 
     def _update(self, ids: list[int]) -> None:
         # index the n-grams that end before the last token: each has a follower to propose,

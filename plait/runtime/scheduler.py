@@ -354,24 +354,27 @@ class Scheduler:
     def _propose_drafts(self, reqs: list[Req]) -> list[list[int]]:
         """Each decoding request's n-gram draft (empty when it does not speculate), within
         the KV slots left after one slot per request."""
-        k = self.args.speculative_ngram
-        if not k:
+        a = self.args
+        drafts: dict[int, list[int]] = {}
+        if not a.speculative_ngram:
             return [[] for _ in reqs]
-        spare = self.kv.available - len(reqs)
-        drafts = []
-        for req in reqs:
-            n = min(k, spare, req.remaining_new_tokens - 1, self.runner.context_length - req.seq_len)
-            draft = []
-            if n > 0 and _may_speculate(req):
-                if req.ngram_index is None:
-                    a = self.args
-                    req.ngram_index = NgramIndex(
-                        a.speculative_ngram_min_match, a.speculative_ngram_max_match
-                    )
-                draft = req.ngram_index.propose(req.all_ids, n)
-                spare -= len(draft)
-            drafts.append(draft)
-        return drafts
+        # draft tokens make the forward wider: past a few dozen rows a CPU forward is compute-
+        # bound and a rejected draft costs real time, so they go to the requests whose drafts
+        # were accepted most, within a per-forward budget
+        budget = min(self.kv.available - len(reqs), a.speculative_ngram_max_tokens)
+        candidates = [r for r in reqs if _may_speculate(r)]
+        for req in candidates:
+            if req.ngram_index is None:
+                req.ngram_index = NgramIndex(a.speculative_ngram_min_match, a.speculative_ngram_max_match)
+        for req in sorted(candidates, key=lambda r: -r.ngram_index.acceptance):
+            n = min(
+                req.ngram_index.draft_len(a.speculative_ngram), budget,
+                req.remaining_new_tokens - 1, self.runner.context_length - req.seq_len,
+            )
+            if n > 0:
+                drafts[id(req)] = req.ngram_index.propose(req.all_ids, n)
+                budget -= len(drafts[id(req)])
+        return [drafts.get(id(r), []) for r in reqs]
 
     def _retract_one(self) -> Req | None:
         """Send a running request back to the waiting queue: the lowest priority first, then
@@ -543,6 +546,7 @@ class Scheduler:
         self.kv.commit(req, kept)
         self.kv.free_uncommitted(req)
         req.spec_accepted_tokens += kept
+        req.ngram_index.record(len(draft), accepted)
         self.counters["spec_draft_tokens"] += len(draft)
         self.counters["spec_accepted_tokens"] += kept
         self.outputs.add(req)
