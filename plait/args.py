@@ -128,6 +128,17 @@ class ServerArgs:
         GRAMMAR_ISOLATIONS,
     )
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
+    speculative_ngram: int = _opt(
+        0, "n-gram (prompt-lookup) speculative decoding: propose up to K tokens that followed "
+        "the latest earlier match of the sequence's last n-gram and verify them in one forward "
+        "(greedy requests without grammar or penalties; output unchanged); 0: off",
+    )
+    speculative_ngram_max_tokens: int = _opt(
+        16, "most draft tokens verified per forward, summed over its requests (drafts widen "
+        "the forward; requests whose drafts were accepted most get them first)",
+    )
+    speculative_ngram_max_match: int = _opt(3, "longest n-gram matched for --speculative-ngram")
+    speculative_ngram_min_match: int = _opt(1, "shortest n-gram matched for --speculative-ngram")
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
     num_threads: int | None = _opt(
         None, "torch CPU threads in the scheduler (default: all cores, split between TP ranks)"
@@ -181,6 +192,13 @@ class ServerArgs:
                      "stream_interval", "tp_size", "dp_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 0:
+            raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram!r}")
+        if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match:
+            raise ValueError(
+                "speculative_ngram_min_match, speculative_ngram_max_match: need "
+                "1 <= min <= max"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens: must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static <= 0.95:

@@ -149,8 +149,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     def prepare_inputs(self, batch: Batch) -> ForwardInputs:
         ids: list[int] = []
-        for req, ext in zip(batch.reqs, batch.extend_lens):
+        for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens)):
             ids.extend(req.all_ids[req.kv_len : req.kv_len + ext])
+            if batch.draft_ids is not None:  # speculative: the draft follows the pending token
+                ids.extend(batch.draft_ids[i])
         return ForwardInputs(
             mode=batch.mode,
             input_ids=ids,
