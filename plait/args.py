@@ -121,7 +121,14 @@ class ServerArgs:
         "thread", "run compiles on threads, or in child processes killed at the timeout",
         GRAMMAR_ISOLATIONS,
     )
-    disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
+    grammar_any_whitespace: bool = _opt(
+        False, "JSON constraints allow free whitespace between tokens (at most 12 in a run), as "
+        "vLLM's default does; off: one fixed layout, ', ' and ': ' separators",
+    )
+    disable_jump_forward: bool = _opt(
+        False, "no grammar jump-forward: the model decodes text the grammar forces, token by "
+        "token under the mask, instead of the forced text's own tokenization",
+    )
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
     num_threads: int | None = _opt(
         None, "torch CPU threads in the scheduler (default: all cores, split between TP ranks)"
