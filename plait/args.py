@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.models.resolve import DEFAULT_MODEL
-from plait.registry import ATTENTION_BACKENDS, GRAMMAR_BACKENDS, SCHEDULE_POLICIES, Registry
+from plait.registry import (
+    ATTENTION_BACKENDS,
+    GRAMMAR_BACKENDS,
+    QUANTIZATION_METHODS,
+    SCHEDULE_POLICIES,
+    Registry,
+)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -141,6 +147,16 @@ class ServerArgs:
         False, "on CPU, run the logits and large projections on torch's plain weights instead of "
         "oneDNN-prepacked ones (the logits copy costs one extra output embedding of memory)",
     )
+    quantization: str = _opt(
+        "none", "CPU: weight-only quantized decoder-layer linears, quantized at load time from "
+        "the checkpoint's weights (int8: per-output-row scales; int4: scale and min per 32 "
+        "inputs, GGUF Q4_1's form); activations stay fp32. Fewer weight bytes per decode step",
+        _choices(QUANTIZATION_METHODS, "none"),
+    )
+    quantize_lm_head: bool = _opt(
+        False, "with --quantization: also quantize the logits GEMM (the output embedding; a "
+        "tied input embedding keeps its fp32 copy for the lookup)",
+    )
     stream_interval: int = _opt(1, "send streamed tokens every N decode steps")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
     ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: private tmp)")
@@ -186,6 +202,10 @@ class ServerArgs:
             raise ValueError("max_prompt_chars: must be >= 1")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("grammar_compile_timeout: must be > 0")
+        if self.quantization != "none" and self.tp_size > 1:
+            raise ValueError("quantization: not supported with tensor parallelism (--tp > 1)")
+        if self.quantize_lm_head and self.quantization == "none":
+            raise ValueError("quantize_lm_head: needs --quantization int8 or int4")
         if self.dp_size > 1 and not 0 < self.port <= 65535 - self.dp_size:
             raise ValueError(f"dp_size: ports {self.port}+1..+{self.dp_size} are out of range")
 
