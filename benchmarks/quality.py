@@ -458,6 +458,12 @@ def to_markdown(r: dict) -> str:
             + " | ".join(f"{m['per_field'][f]:.0%}" for f in FIELDS)
             + " |"
         )
+    lines += [
+        "",
+        "Both constrained modes compile the schema with xgrammar; plait emits one JSON layout "
+        "(`\", \"` and `\": \"` separators), vLLM keeps its default free whitespace (the model "
+        "often pretty-prints, which changes what it writes next) and has no jump-forward.",
+    ]
     if "classification" in r:
         c = r["classification"]
         lines += [

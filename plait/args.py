@@ -127,7 +127,14 @@ class ServerArgs:
         "thread", "run compiles on threads, or in child processes killed at the timeout",
         GRAMMAR_ISOLATIONS,
     )
-    disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
+    grammar_any_whitespace: bool = _opt(
+        False, "JSON constraints allow free whitespace between tokens (at most 12 in a run), as "
+        "vLLM's default does; off: one fixed layout, ', ' and ': ' separators",
+    )
+    disable_jump_forward: bool = _opt(
+        False, "no grammar jump-forward: the model decodes text the grammar forces, token by "
+        "token under the mask, instead of the forced text's own tokenization",
+    )
     speculative_ngram: int = _opt(
         0, "n-gram (prompt-lookup) speculative decoding: propose up to K tokens that followed "
         "the latest earlier match of the sequence's last n-gram and verify them in one forward "
