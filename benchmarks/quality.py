@@ -401,6 +401,7 @@ def run_vllm(model_dir: str, token_prompts: list[list[int]], venv: Path) -> list
             f.name,
             "--engines",
             "vllm (prefix cache on)",
+            "--vllm-json-any-whitespace",  # vLLM as its users run it: its default layout
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
