@@ -42,7 +42,7 @@ def resolve_backend(backend: Any = None) -> Backend:
         )
     if isinstance(backend, Backend):
         return backend
-    from plait.frontend.engine import Engine
+    from plait.engine import Engine
 
     if isinstance(backend, Engine):
         if backend not in _engine_backends:

@@ -24,8 +24,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from plait.errors import RequestError
-from plait.frontend.tokenizer_manager import TokenizerManager
 from plait.io_struct import ReqInput, ReqState
+from plait.tokenizer.tokenizer_manager import TokenizerManager
 
 T = TypeVar("T")
 MAX_JSON_DEPTH = 64  # deeper bodies are refused (json_schema nesting stays far below)

@@ -18,7 +18,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from plait.errors import RequestError
-from plait.frontend.http_common import (
+from plait.io_struct import (
+    DEFAULT_LIMITS,
+    GenerateInput,
+    InputLimits,
+    NormalizedInput,
+    ReqInput,
+    ReqState,
+    format_output,
+)
+from plait.server.http_common import (
     SSE_DONE,
     TicketedStream,
     TokenTexts,
@@ -32,15 +41,6 @@ from plait.frontend.http_common import (
     stream_error,
     tokenizer_manager,
     until_disconnect,
-)
-from plait.io_struct import (
-    DEFAULT_LIMITS,
-    GenerateInput,
-    InputLimits,
-    NormalizedInput,
-     ReqInput,
-    ReqState,
-    format_output,
 )
 
 router = APIRouter()
@@ -179,7 +179,7 @@ async def get_server_info(request: Request) -> Response:
     args = dataclasses.asdict(request.app.state.args)
     if args.get("api_key"):
         args["api_key"] = "<redacted>"
-    runtime = request.app.state.runtime
+    children = request.app.state.children
     return JSONResponse(
         {
             **args,
@@ -188,7 +188,7 @@ async def get_server_info(request: Request) -> Response:
             "internal_states": [stats],
             "pid": os.getpid(),
             "child_pids": {
-                name: p.pid for name, p in (runtime.procs if runtime else tm.procs).items()
+                name: p.pid for name, p in (children.procs if children else tm.procs).items()
             },
             "num_frontend_requests": len(tm.states),
             "version": _version(),

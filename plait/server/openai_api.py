@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from plait.errors import RequestError
-from plait.frontend.http_common import (
+from plait.io_struct import GenerateInput, ReqInput, ReqState
+from plait.sampling import SamplingParams
+from plait.server.http_common import (
     SSE_DONE,
     TicketedStream,
     TokenTexts,
@@ -36,8 +38,6 @@ from plait.frontend.http_common import (
     tokenizer_manager,
     until_disconnect,
 )
-from plait.io_struct import GenerateInput, ReqInput, ReqState
-from plait.sampling import SamplingParams
 
 router = APIRouter(prefix="/v1")
 
