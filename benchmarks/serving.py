@@ -8,7 +8,7 @@ Workload: a shared-prefix chat (one long system prompt — rubric plus few-shot 
 then a distinct short user question per request), streamed through /v1/chat/completions with
 `ignore_eos` so every request generates exactly --max-tokens tokens. Each client is closed-loop
 (sends its next request when the previous one finished). For each cache mode a fresh server
-starts (plait.launch.ServerProcess), gets a warm-up request, and runs every concurrency level from a flushed
+starts (ServerProcess), gets a warm-up request, and runs every concurrency level from a flushed
 cache. Reports requests/s, output tokens/s, TTFT and TPOT p50/p99 and the prompt cache hit rate;
 prints a markdown table and writes benchmarks/results/serving.json.
 """

@@ -82,7 +82,8 @@ class Function:
         self, *args: Any, stream: bool = False, backend: Backend | None = None, **kwargs: Any
     ) -> ProgramState:
         program_args, defaults = self._split(kwargs)
-        return await arun_program(self, resolve_backend(backend), args, program_args, defaults, stream)
+        backend = resolve_backend(backend)
+        return await arun_program(self, backend, args, program_args, defaults, stream)
 
     __call__ = run
 
