@@ -267,6 +267,16 @@ async def run(request: Request, reqs: list[ReqInput], constraint_field: str | No
         raise openai_error(e, constraint_field) from None
 
 
+def response_head(request: Request, id_prefix: str, obj: str) -> dict[str, Any]:
+    """The fields every OpenAI response (and each of its stream's chunks) starts with."""
+    return {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": obj,
+        "created": int(time.time()),
+        "model": request.app.state.model_name,
+    }
+
+
 def finish_reason(state: ReqState) -> str | None:
     reason = state.finished_reason
     if reason is None:
@@ -377,12 +387,7 @@ async def completions(request: Request) -> Response:
     inputs = normalize(request, prompts, sp, req, req.logprobs, req.logprobs is not None)
     tm = http_common.tokenizer_manager(request)
     texts = TokenTexts(tm.tokenizer)
-    head = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": request.app.state.model_name,
-    }
+    head = response_head(request, "cmpl", "text_completion")
     if req.stream:
         return await stream_response(
             request,
@@ -456,12 +461,7 @@ async def chat_completions(request: Request) -> Response:
     constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None
     inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs)
     texts = TokenTexts(tm.tokenizer)
-    head = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": request.app.state.model_name,
-    }
+    head = response_head(request, "chatcmpl", "chat.completion")
     if req.stream:
         roles = [_chat_choice(i, {"role": "assistant", "content": ""}) for i in range(len(inputs))]
         return await stream_response(
