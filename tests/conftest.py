@@ -3,7 +3,9 @@
 `python -m pytest -m "not model"` is the fast inner loop: the tests that start no model and no
 server. A test is marked `model` by hand (`pytest.mark.model`) when its body starts one, and
 here, automatically, when it asks for a fixture that does (MODEL_FIXTURES), so a new test on
-those fixtures cannot slip into the fast loop.
+those fixtures cannot slip into the fast loop. `heavy` tests (no model, but kernel or grammar
+compiles at scale: minutes in all) are left out of the fast loop too: they are marked `model`
+here as well.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
     skip_slow = pytest.mark.skip(reason="slow: a faster test covers it; use --runslow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if _uses_model_fixture(item):
+        if _uses_model_fixture(item) or "heavy" in item.keywords:
             item.add_marker(pytest.mark.model)
         if "slow" in item.keywords and not config.getoption("--runslow"):
             item.add_marker(skip_slow)

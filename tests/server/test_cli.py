@@ -81,6 +81,7 @@ def test_server_process_rejects_unknown_args_before_starting():
         ServerProcess(max_runing_requests=3)
 
 
+@pytest.mark.model
 def test_serve_prints_url_and_sigint_stops_everything(tiny_llama):
     port = free_port()
     proc = subprocess.Popen(
