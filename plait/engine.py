@@ -30,8 +30,9 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="plait-engine", daemon=True)
         self._thread.start()
+        children = self._children
         self.tokenizer_manager = TokenizerManager(
-            self.args, self.tokenizer, self._children.model_info, self._children.addrs, self._children.procs
+            self.args, self.tokenizer, children.model_info, children.addrs, children.procs
         )
         self._call(self.tokenizer_manager.start())
         self._closed = False

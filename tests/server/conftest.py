@@ -1,4 +1,4 @@
-"""Fixtures for the HTTP server tests: real `plait serve` processes (plait.launch.ServerProcess) on the
+"""Fixtures for the HTTP server tests: real `plait serve` processes (launch.ServerProcess) on the
 tiny-llama checkpoint, on CPU.
 
 `server` is shared by every module that only sends requests; modules that break a server
