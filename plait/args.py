@@ -26,7 +26,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 GRAMMAR_ISOLATIONS = ("thread", "process")
 # `plait serve` reads the API key from here when --api-key is not given (plait.Runtime uses it)
 API_KEY_ENV = "PLAIT_API_KEY"
-# sglang-router's --policy choices that need nothing but worker URLs (plait/frontend/replicas.py)
+# sglang-router's --policy choices that need nothing but worker URLs (plait/server/replicas.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
@@ -171,7 +171,7 @@ class ServerArgs:
     stream_interval: int = _opt(1, "send streamed tokens every N decode steps")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
     ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: private tmp)")
-    # data parallelism (plait/frontend/replicas.py): `plait serve` only
+    # data parallelism (plait/server/replicas.py): `plait serve` only
     dp_size: int = _opt(
         1, "serve N independent replicas on ports PORT+1..PORT+N (each its own process, KV "
         "pool and radix cache) and print the sglang-router command that fronts them",

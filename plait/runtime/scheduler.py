@@ -210,22 +210,16 @@ class Scheduler:
     def _make_req(self, msg: TokenizedGenerateReq) -> Req:
         if msg.rid in self.reqs:
             raise ValueError(f"rid: request id {msg.rid!r} is already running")
+        # The prompt and sampling parameters were validated once, by the tokenizer manager
+        # (GenerateInput.normalize, TokenizerManager.validate); what only the scheduler knows
+        # is checked here: which requests run, and the KV pool's size.
         sampling = SamplingParams.from_dict(msg.sampling_params)
-        if not msg.input_ids:
-            raise ValueError("input_ids: the prompt is empty")
         need = len(msg.input_ids) + sampling.max_new_tokens
-        if len(msg.input_ids) >= self.runner.context_length:
-            raise ValueError(
-                f"input_ids: prompt of {len(msg.input_ids)} tokens does not fit the context "
-                f"length {self.runner.context_length}"
-            )
         if need > self.runner.kv_pool.size:
             raise ValueError(
                 f"max_new_tokens: the request needs {need} KV slots but the whole pool has "
                 f"{self.runner.kv_pool.size}"
             )
-        if max(msg.input_ids) >= self.runner.config.vocab_size or min(msg.input_ids) < 0:
-            raise ValueError("input_ids: token id out of the model's vocabulary")
         return Req(
             rid=msg.rid, input_ids=list(msg.input_ids), sampling=sampling,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from plait.errors import RequestError
-from plait.frontend.tokenizer_manager import TokenizerManager
+from plait.tokenizer.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
 
@@ -154,7 +154,7 @@ def _replay(messages: list[dict], receive):
 
 
 def _error_body(e: RequestError) -> dict[str, Any]:
-    from plait.frontend.http_common import error_body
+    from plait.server.http_common import error_body
 
     return error_body(e)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.frontend.server_utils import MODEL_NAME, sse_events, wait_for
+from tests.server.server_utils import MODEL_NAME, sse_events, wait_for
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 

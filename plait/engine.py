@@ -15,9 +15,9 @@ from typing import Any
 
 from plait.args import ServerArgs
 from plait.errors import RequestError
-from plait.frontend.launch import launch_with_tokenizer
-from plait.frontend.tokenizer_manager import TokenizerManager
 from plait.io_struct import GenerateInput, ReqInput, format_output
+from plait.launch import launch_with_tokenizer
+from plait.tokenizer.tokenizer_manager import TokenizerManager
 
 
 class Engine:
@@ -26,12 +26,13 @@ class Engine:
             self.args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         except TypeError as e:
             raise TypeError(f"Engine: {e}") from None
-        self._runtime, self.tokenizer = launch_with_tokenizer(self.args)
+        self._children, self.tokenizer = launch_with_tokenizer(self.args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="plait-engine", daemon=True)
         self._thread.start()
+        children = self._children
         self.tokenizer_manager = TokenizerManager(
-            self.args, self.tokenizer, self._runtime.model_info, self._runtime.addrs, self._runtime.procs
+            self.args, self.tokenizer, children.model_info, children.addrs, children.procs
         )
         self._call(self.tokenizer_manager.start())
         self._closed = False
@@ -39,7 +40,7 @@ class Engine:
 
     @property
     def model_info(self) -> dict[str, Any]:
-        return dict(self._runtime.model_info)
+        return dict(self._children.model_info)
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -152,7 +153,7 @@ class Engine:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
-        self._runtime.shutdown()
+        self._children.shutdown()
 
     def __enter__(self) -> Engine:
         return self

@@ -19,8 +19,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from plait.frontend.tokenizer_manager import TokenizerManager
 from plait.io_struct import ReqState
+from plait.tokenizer.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 

@@ -18,30 +18,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from plait.errors import RequestError
-from plait.frontend.http_common import (
-    SSE_DONE,
-    TicketedStream,
-    TokenTexts,
-    admit,
-    first_then_rest,
-    read_json,
-    request_priority,
-    run_all,
-    run_streams,
-    sse,
-    stream_error,
-    tokenizer_manager,
-    until_disconnect,
-)
 from plait.io_struct import (
     DEFAULT_LIMITS,
     GenerateInput,
     InputLimits,
     NormalizedInput,
-     ReqInput,
+    ReqInput,
     ReqState,
     format_output,
 )
+from plait.server import http_common
+from plait.server.http_common import TokenTexts
 
 router = APIRouter()
 
@@ -75,47 +62,30 @@ def generate_output(state: ReqState, inp: ReqInput, texts: TokenTexts | None) ->
 
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request) -> Response:
-    tm = tokenizer_manager(request)
-    inp = GenerateInput.from_dict(await read_json(request))
-    inp.priority = request_priority(request, inp.priority)
-    req = inp.normalize(tm.limits)
-    with admit(request, req.reqs) as ticket:
-        texts = TokenTexts(tm.tokenizer) if req.return_text_in_logprobs else None
-        if not req.stream:
-            states = await until_disconnect(request, run_all(tm, req.reqs))
-            outs = [generate_output(s, r, texts) for s, r in zip(states, req.reqs)]
-            return JSONResponse(outs if req.batched else outs[0])
-        (i, state), rest = await first_then_rest(request, run_streams(tm, req.reqs))
-        metrics = request.app.state.metrics
+    tm = http_common.tokenizer_manager(request)
+    inp = GenerateInput.from_dict(await http_common.read_json(request))
+    req = http_common.normalize(request, inp)
+    texts = TokenTexts(tm.tokenizer) if req.return_text_in_logprobs else None
+    if not req.stream:
+        states = await http_common.run_to_end(request, req.reqs)
+        outs = [generate_output(s, r, texts) for s, r in zip(states, req.reqs)]
+        return JSONResponse(outs if req.batched else outs[0])
 
-        async def events() -> AsyncIterator[bytes]:
-            item: tuple[int, ReqState] | None = (i, state)
-            try:
-                while item is not None:
-                    k, st = item
-                    out = generate_output(st, req.reqs[k], texts)
-                    if req.batched:
-                        out["index"] = k
-                    if st.finished_reason is not None:
-                        metrics.observe_stream(st)
-                    yield sse(out)
-                    item = await rest.__anext__()
-            except StopAsyncIteration:
-                pass
-            except Exception as e:
-                yield stream_error(e)
-            finally:
-                await rest.aclose()
-            yield SSE_DONE
+    async def render(outputs: AsyncIterator[tuple[int, ReqState]]) -> AsyncIterator[dict]:
+        async for k, st in outputs:
+            out = generate_output(st, req.reqs[k], texts)
+            if req.batched:
+                out["index"] = k
+            yield out
 
-        return TicketedStream(events(), ticket)
+    return await http_common.sse_response(request, req.reqs, render)
 
 
 # ---------------------------------------------------------------------- control endpoints
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
-    tm = tokenizer_manager(request)
-    body = await read_json(request)
+    tm = http_common.tokenizer_manager(request)
+    body = await http_common.read_json(request)
     unknown = sorted(set(body) - {"rid", "abort_all"})
     if unknown:
         raise RequestError(unknown[0], "unknown field (known: rid, abort_all)")
@@ -137,14 +107,14 @@ async def abort_request(request: Request) -> Response:
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
-    out = await tokenizer_manager(request).flush_cache()
+    out = await http_common.tokenizer_manager(request).flush_cache()
     if not out.success:
         raise RequestError(None, f"cache not flushed: {out.message}", 400)
     return JSONResponse({"success": True, "message": "cache flushed"})
 
 
 def model_info(request: Request) -> dict[str, Any]:
-    tm = tokenizer_manager(request)
+    tm = http_common.tokenizer_manager(request)
     info = tm.model_info
     args = request.app.state.args
     return {
@@ -174,12 +144,12 @@ async def get_model_info(request: Request) -> Response:
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def get_server_info(request: Request) -> Response:
-    tm = tokenizer_manager(request)
+    tm = http_common.tokenizer_manager(request)
     stats = await tm.get_stats(timeout=10.0)
     args = dataclasses.asdict(request.app.state.args)
     if args.get("api_key"):
         args["api_key"] = "<redacted>"
-    runtime = request.app.state.runtime
+    children = request.app.state.children
     return JSONResponse(
         {
             **args,
@@ -188,7 +158,7 @@ async def get_server_info(request: Request) -> Response:
             "internal_states": [stats],
             "pid": os.getpid(),
             "child_pids": {
-                name: p.pid for name, p in (runtime.procs if runtime else tm.procs).items()
+                name: p.pid for name, p in (children.procs if children else tm.procs).items()
             },
             "num_frontend_requests": len(tm.states),
             "version": _version(),

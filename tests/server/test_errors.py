@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.frontend.server_utils import MODEL_NAME, assert_error, sse_events, wait_for
+from tests.server.server_utils import MODEL_NAME, assert_error, sse_events, wait_for
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -1,4 +1,4 @@
-"""TokenizerManager: the frontend half of the runtime (asyncio).
+"""TokenizerManager: the frontend process's half of serving (asyncio).
 
 Tokenizes requests (on a worker thread: a long prompt must not stall the event loop), makes
 the checks that need the token ids (prompt length against the context, logprob volume),

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import httpx
 
 from plait.args import API_KEY_ENV, ServerArgs
-from plait.frontend.runtime import cli_flags, free_port
+from plait.launch import cli_flags, free_port
 
 logger = logging.getLogger("plait.replicas")
 

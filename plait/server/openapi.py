@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, create_model
 
-from plait.frontend.openai_api import ChatCompletionRequest, CompletionRequest
 from plait.sampling import SamplingParams
+from plait.server.openai_api import ChatCompletionRequest, CompletionRequest
 
 
 def _sampling_model() -> type[BaseModel]:

@@ -13,7 +13,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from tests.frontend.server_utils import start_server
+from tests.server.server_utils import start_server
 
 pytestmark = pytest.mark.model
 

@@ -17,11 +17,11 @@ import pytest
 
 from plait.args import ServerArgs
 from plait.errors import RequestError
-from plait.frontend.replicas import free_port_block, replica_args, router_command
-from plait.frontend.router_compat import strip_router_fields
-from tests.frontend.server_utils import assert_error, sse_events, wait_for
+from plait.server.replicas import free_port_block, replica_args, router_command
+from plait.server.router_compat import strip_router_fields
 from tests.procs import alive as _alive
 from tests.procs import descendants as _descendants
+from tests.server.server_utils import assert_error, sse_events, wait_for
 
 START_TIMEOUT_S = 600.0
 PREFIX_A = "You grade answers about astronomy. " * 12
@@ -65,7 +65,7 @@ def test_router_fields_middleware():
     import json as jsonlib
     from types import SimpleNamespace
 
-    from plait.frontend.router_compat import RouterFields
+    from plait.server.router_compat import RouterFields
 
     async def endpoint(scope, receive, send):
         chunks = []

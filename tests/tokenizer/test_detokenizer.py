@@ -4,8 +4,8 @@ request (not an earlier one, output before min_new_tokens), and per-request isol
 
 from __future__ import annotations
 
-from plait.frontend.detokenizer import Detokenizer, _holdback
 from plait.messages import BatchStrOut, BatchTokenOut, RequestErrorOut
+from plait.tokenizer.detokenizer import Detokenizer, _holdback
 from tests.runtime.units import CharTokenizer, ids
 
 

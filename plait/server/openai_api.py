@@ -21,23 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from plait.errors import RequestError
-from plait.frontend.http_common import (
-    SSE_DONE,
-    TicketedStream,
-    TokenTexts,
-    admit,
-    first_then_rest,
-    read_json,
-    request_priority,
-    run_all,
-    run_streams,
-    sse,
-    stream_error,
-    tokenizer_manager,
-    until_disconnect,
-)
 from plait.io_struct import GenerateInput, ReqInput, ReqState
 from plait.sampling import SamplingParams
+from plait.server import http_common
+from plait.server.http_common import TokenTexts
 
 router = APIRouter(prefix="/v1")
 
@@ -257,10 +244,10 @@ def normalize(
         stream=req.stream,
         return_logprob=return_logprob,
         top_logprobs_num=top_logprobs,
-        priority=request_priority(request, req.priority),
+        priority=req.priority,
     )
     try:
-        reqs = inp.normalize(tokenizer_manager(request).limits).reqs
+        reqs = http_common.normalize(request, inp).reqs
     except RequestError as e:
         raise _prompt_error(e) from None
     return reqs
@@ -274,12 +261,20 @@ def _prompt_error(e: RequestError) -> RequestError:
 
 
 async def run(request: Request, reqs: list[ReqInput], constraint_field: str | None = None):
-    tm = tokenizer_manager(request)
-    with admit(request, reqs):
-        try:
-            return await until_disconnect(request, run_all(tm, reqs))
-        except RequestError as e:
-            raise openai_error(e, constraint_field) from None
+    try:
+        return await http_common.run_to_end(request, reqs)
+    except RequestError as e:
+        raise openai_error(e, constraint_field) from None
+
+
+def response_head(request: Request, id_prefix: str, obj: str) -> dict[str, Any]:
+    """The fields every OpenAI response (and each of its stream's chunks) starts with."""
+    return {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": obj,
+        "created": int(time.time()),
+        "model": request.app.state.model_name,
+    }
 
 
 def finish_reason(state: ReqState) -> str | None:
@@ -377,7 +372,7 @@ async def list_models(request: Request) -> Response:
 
 @router.post("/completions")
 async def completions(request: Request) -> Response:
-    req: CompletionRequest = parse_body(CompletionRequest, await read_json(request))
+    req: CompletionRequest = parse_body(CompletionRequest, await http_common.read_json(request))
     check_model(request, req.model)
     if req.best_of not in (None, 1):
         raise RequestError("best_of", "only 1 is supported")
@@ -390,14 +385,9 @@ async def completions(request: Request) -> Response:
     prompts = _completion_prompts(req.prompt)
     sp = sampling_params(req, req.max_tokens, {})
     inputs = normalize(request, prompts, sp, req, req.logprobs, req.logprobs is not None)
-    tm = tokenizer_manager(request)
+    tm = http_common.tokenizer_manager(request)
     texts = TokenTexts(tm.tokenizer)
-    head = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": request.app.state.model_name,
-    }
+    head = response_head(request, "cmpl", "text_completion")
     if req.stream:
         return await stream_response(
             request,
@@ -441,7 +431,8 @@ def _prompt_text(tokenizer, prompt: dict[str, Any]) -> str:
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_json(request))
+    body = await http_common.read_json(request)
+    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     check_model(request, req.model)
     if req.tools:
         raise RequestError("tools", "tool calling is not supported by plait")
@@ -450,7 +441,7 @@ async def chat_completions(request: Request) -> Response:
             raise RequestError("top_logprobs", "requires logprobs to be true")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
-    tm = tokenizer_manager(request)
+    tm = http_common.tokenizer_manager(request)
     chars = sum(len(m.content or "") if isinstance(m.content, str) else
                 sum(len(p.text) for p in m.content or []) for m in req.messages)
     if chars > tm.limits.max_prompt_chars:
@@ -470,12 +461,7 @@ async def chat_completions(request: Request) -> Response:
     constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None
     inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs)
     texts = TokenTexts(tm.tokenizer)
-    head = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": request.app.state.model_name,
-    }
+    head = response_head(request, "chatcmpl", "chat.completion")
     if req.stream:
         roles = [_chat_choice(i, {"role": "assistant", "content": ""}) for i in range(len(inputs))]
         return await stream_response(
@@ -529,52 +515,34 @@ async def stream_response(
 ) -> Response:
     """SSE response of OpenAI chunks: `render` turns each Delta into chunk bodies (without
     the shared `head` fields); with usage_n (= n) a last chunk carries the usage."""
-    tm = tokenizer_manager(request)
-    with admit(request, inputs) as ticket:
-        try:
-            first, rest = await first_then_rest(request, run_streams(tm, inputs))
-        except RequestError as e:
-            raise openai_error(e, constraint_field) from None
-        metrics = request.app.state.metrics
-        usage_field = {"usage": None} if usage_n is not None else {}
+    usage_field = {"usage": None} if usage_n is not None else {}
 
-        async def events() -> AsyncIterator[bytes]:
-            finals: dict[int, ReqState] = {}
-            try:
-                for body in first_chunks or []:
-                    yield sse({**head, **body, **usage_field})
-                async for delta in _deltas(first, rest, len(inputs)):
-                    for body in render(delta):
-                        yield sse({**head, **body, **usage_field})
-                    if delta.state.finished_reason is not None:
-                        finals[delta.index] = delta.state
-                        metrics.observe_stream(delta.state)
-                if usage_n is not None:
-                    states = [finals[i] for i in sorted(finals)]
-                    yield sse({**head, "choices": [], "usage": usage(states, usage_n)})
-            except Exception as e:
-                if isinstance(e, RequestError):
-                    e = openai_error(e, constraint_field)
-                yield stream_error(e)
-            finally:
-                await rest.aclose()
-            yield SSE_DONE
+    async def chunks(outputs: AsyncIterator[tuple[int, ReqState]]) -> AsyncIterator[dict]:
+        finals: dict[int, ReqState] = {}
+        for body in first_chunks or []:
+            yield {**head, **body, **usage_field}
+        async for delta in _deltas(outputs, len(inputs)):
+            for body in render(delta):
+                yield {**head, **body, **usage_field}
+            if delta.state.finished_reason is not None:
+                finals[delta.index] = delta.state
+        if usage_n is not None:
+            states = [finals[i] for i in sorted(finals)]
+            yield {**head, "choices": [], "usage": usage(states, usage_n)}
 
-        return TicketedStream(events(), ticket)
+    return await http_common.sse_response(
+        request, inputs, chunks, lambda e: openai_error(e, constraint_field)
+    )
 
 
-async def _deltas(first, rest, num_choices: int) -> AsyncIterator[Delta]:
+async def _deltas(
+    outputs: AsyncIterator[tuple[int, ReqState]], num_choices: int
+) -> AsyncIterator[Delta]:
     sent_text, sent_tokens = [0] * num_choices, [0] * num_choices
-    item = first
-    while True:
-        i, state = item
+    async for i, state in outputs:
         end = len(state.output_token_logprobs)
         yield Delta(i, state, state.text[sent_text[i] :], sent_text[i], (sent_tokens[i], end))
         sent_text[i], sent_tokens[i] = len(state.text), end
-        try:
-            item = await rest.__anext__()
-        except StopAsyncIteration:
-            return
 
 
 def _completion_chunks(req: CompletionRequest, texts: TokenTexts) -> Callable[[Delta], list[dict]]:

@@ -8,7 +8,7 @@ import math
 import openai
 import pytest
 
-from tests.frontend.server_utils import MODEL_NAME
+from tests.server.server_utils import MODEL_NAME
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
 

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.frontend.server_utils import MODEL_NAME, assert_error, start_server, wait_for
+from tests.server.server_utils import MODEL_NAME, assert_error, start_server, wait_for
 
 pytestmark = pytest.mark.model
 

@@ -2,7 +2,7 @@
 
     plait serve --model PATH --port 30000        # == launch_server(ServerArgs(...))
 
-The app's state (TokenizerManager, args, metrics, runtime processes) lives on `app.state`.
+The app's state (TokenizerManager, args, metrics, child processes) lives on `app.state`.
 A pure-ASGI gate in front of every route checks the API key (--api-key, --api-key-file)
 and the declared body size (413), answers 503 until the TokenizerManager runs, and counts
 responses by status. Every error, native or OpenAI, has
@@ -28,8 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.args import ServerArgs
 from plait.errors import RequestError
-from plait.frontend import native_api, openai_api, router_compat
-from plait.frontend.http_common import (
+from plait.io_struct import GenerateInput
+from plait.server import native_api, openai_api, router_compat
+from plait.server.http_common import (
     SCOPE_KEY,
     Admission,
     ClientGone,
@@ -37,9 +38,8 @@ from plait.frontend.http_common import (
     load_keys,
     until_disconnect,
 )
-from plait.frontend.metrics import CONTENT_TYPE, Metrics
-from plait.frontend.tokenizer_manager import TokenizerManager
-from plait.io_struct import GenerateInput
+from plait.server.metrics import CONTENT_TYPE, Metrics
+from plait.tokenizer.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ OPEN_PATHS = ("/health",)  # served without the API key
 
 
 def create_app(
-    tokenizer_manager: TokenizerManager, args: ServerArgs, runtime: Any = None
+    tokenizer_manager: TokenizerManager, args: ServerArgs, children: Any = None
 ) -> FastAPI:
-    """The server's app. `runtime` (RuntimeProcesses) is shut down with the app when given;
+    """The server's app. `children` (launch.ChildProcesses) are shut down with the app when given;
     the TokenizerManager is started and closed by the app's lifespan."""
     app = FastAPI(
         title="plait",
@@ -69,7 +69,7 @@ def create_app(
     state = app.state
     state.tokenizer_manager = tokenizer_manager
     state.args = args
-    state.runtime = runtime
+    state.children = children
     state.ready = False
     state.start_time = time.time()
     state.model_name = args.model_name
@@ -100,7 +100,7 @@ def create_app(
     # sglang-router's extra request fields (router_compat); inside the Gate, so after auth
     app.add_middleware(router_compat.RouterFields)
     app.add_middleware(Gate, keys=keys, routes=routes, max_body=args.max_request_bytes)
-    from plait.frontend.openapi import install_openapi
+    from plait.server.openapi import install_openapi
 
     install_openapi(app)
     return app
@@ -119,8 +119,8 @@ async def _lifespan(app: FastAPI):
     finally:
         state.ready = False
         await tm.close()
-        if state.runtime is not None:
-            await asyncio.to_thread(state.runtime.shutdown)
+        if state.children is not None:
+            await asyncio.to_thread(state.children.shutdown)
 
 
 def _charge_tokens(state, st) -> None:
@@ -358,20 +358,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def launch_server(args: ServerArgs) -> None:
-    """Start the runtime's processes, then serve HTTP until SIGINT/SIGTERM; every child is
+    """Start the child processes, then serve HTTP until SIGINT/SIGTERM; every child is
     stopped on the way out."""
-    from plait.frontend.launch import CHILD_DEATH_EXIT_S, launch_with_tokenizer
+    from plait.launch import CHILD_DEATH_EXIT_S, launch_with_tokenizer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s frontend %(levelname)s %(message)s"
     )
     sock = bind_socket(args.host, args.port)
     signal.signal(signal.SIGTERM, _terminate)  # uvicorn takes over once it runs
-    runtime = None
+    children = None
     try:
-        runtime, tokenizer = launch_with_tokenizer(args)
-        tm = TokenizerManager(args, tokenizer, runtime.model_info, runtime.addrs, runtime.procs)
-        app = create_app(tm, args, runtime=runtime)
+        children, tokenizer = launch_with_tokenizer(args)
+        tm = TokenizerManager(args, tokenizer, children.model_info, children.addrs, children.procs)
+        app = create_app(tm, args, children=children)
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -383,10 +383,10 @@ def launch_server(args: ServerArgs) -> None:
         )
         server = _Server(config, app, args.url)
         # a dead child stops the server, and `plait serve` exits non-zero (launch.py)
-        runtime.supervise(lambda _: setattr(server, "should_exit", True), CHILD_DEATH_EXIT_S)
+        children.supervise(lambda _: setattr(server, "should_exit", True), CHILD_DEATH_EXIT_S)
         server.run(sockets=[sock])
-        runtime.exit_if_failed()
+        children.exit_if_failed()
     finally:
         sock.close()
-        if runtime is not None:
-            runtime.shutdown()
+        if children is not None:
+            children.shutdown()

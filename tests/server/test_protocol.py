@@ -8,9 +8,9 @@ import json
 import pytest
 
 from plait.errors import RequestError
-from plait.frontend.http_common import error_body
-from plait.frontend.native_api import parse_generate
-from plait.frontend.openai_api import (
+from plait.server.http_common import error_body
+from plait.server.native_api import parse_generate
+from plait.server.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     openai_error,

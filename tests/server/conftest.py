@@ -1,4 +1,4 @@
-"""Fixtures for the HTTP server tests: real `plait serve` processes (plait.Runtime) on the
+"""Fixtures for the HTTP server tests: real `plait serve` processes (launch.ServerProcess) on the
 tiny-llama checkpoint, on CPU.
 
 `server` is shared by every module that only sends requests; modules that break a server
@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.frontend.server_utils import start_server
+from tests.server.server_utils import start_server
 
 
 @pytest.fixture(scope="session")

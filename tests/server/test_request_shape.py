@@ -11,10 +11,10 @@ import pytest
 
 from plait.args import ServerArgs
 from plait.errors import RequestError
-from plait.frontend.http_common import Admission, KeyPolicy, RateLimited, _depth_over
-from plait.frontend.tokenizer_manager import INLINE_TOKENIZE_CHARS, TokenizerManager
 from plait.io_struct import GenerateInput, InputLimits, ReqInput
 from plait.sampling import SamplingParams
+from plait.server.http_common import Admission, KeyPolicy, RateLimited, _depth_over
+from plait.tokenizer.tokenizer_manager import INLINE_TOKENIZE_CHARS, TokenizerManager
 
 LIMITS = InputLimits(vocab_size=100, context_length=64, max_prompt_chars=1000)
 

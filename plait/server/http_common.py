@@ -16,16 +16,16 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from plait.errors import RequestError
-from plait.frontend.tokenizer_manager import TokenizerManager
-from plait.io_struct import ReqInput, ReqState
+from plait.io_struct import GenerateInput, NormalizedInput, ReqInput, ReqState
+from plait.tokenizer.tokenizer_manager import TokenizerManager
 
 T = TypeVar("T")
 MAX_JSON_DEPTH = 64  # deeper bodies are refused (json_schema nesting stays far below)
@@ -260,6 +260,13 @@ def admit(request: Request, reqs: list[ReqInput]) -> Ticket:
     return ticket
 
 
+def normalize(request: Request, inp: GenerateInput) -> NormalizedInput:
+    """A route's GenerateInput validated under the server's limits, at its API key's priority
+    when it names none."""
+    inp.priority = request_priority(request, inp.priority)
+    return inp.normalize(tokenizer_manager(request).limits)
+
+
 def request_priority(request: Request, given: Any) -> Any:
     """The priority a request runs at when it names none: its key's (else the default)."""
     policy: KeyPolicy | None = request.scope.get(SCOPE_KEY)
@@ -370,6 +377,59 @@ async def first_then_rest(request: Request, stream: AsyncIterator[T]) -> tuple[T
         await stream.aclose()
         raise
     return first, stream
+
+
+async def run_to_end(request: Request, reqs: list[ReqInput]) -> list[ReqState]:
+    """Run a route's requests to completion under one admission ticket; a client that
+    disconnects aborts them."""
+    with admit(request, reqs):
+        return await until_disconnect(request, run_all(tokenizer_manager(request), reqs))
+
+
+async def sse_response(
+    request: Request,
+    reqs: list[ReqInput],
+    render: Callable[[AsyncIterator[tuple[int, ReqState]]], AsyncIterator[dict]],
+    map_error: Callable[[RequestError], RequestError] | None = None,
+) -> Response:
+    """A streamed answer: admit `reqs`, wait for their first output (an error up to it is
+    raised, through map_error, so that it gets its own status), then send the bodies
+    `render(outputs)` makes as SSE events and `[DONE]`. `outputs` yields every (index, state)
+    update and counts each finished request in the metrics; an error later is sent as an
+    error event. The admission ticket is held until the stream ends."""
+    with admit(request, reqs) as ticket:
+        try:
+            first, rest = await first_then_rest(
+                request, run_streams(tokenizer_manager(request), reqs)
+            )
+        except RequestError as e:
+            raise (map_error(e) if map_error else e) from None
+        metrics = request.app.state.metrics
+
+        async def outputs() -> AsyncIterator[tuple[int, ReqState]]:
+            item = first
+            while True:
+                if item[1].finished_reason is not None:
+                    metrics.observe_stream(item[1])
+                yield item
+                try:
+                    item = await rest.__anext__()
+                except StopAsyncIteration:
+                    return
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for body in render(outputs()):
+                    yield sse(body)
+            except Exception as e:
+                if map_error is not None and isinstance(e, RequestError):
+                    e = map_error(e)
+                yield stream_error(e)
+            finally:
+                await rest.aclose()
+            yield SSE_DONE
+
+        return TicketedStream(events(), ticket)
 
 
 # ---------------------------------------------------------------------- SSE and errors

@@ -8,14 +8,14 @@ import time
 import httpx
 import pytest
 
-from plait.frontend.runtime import Runtime
+from plait.launch import ServerProcess
 
 MODEL_NAME = "tiny"
 SERVER_ARGS = dict(served_model_name=MODEL_NAME, max_total_tokens=16384, log_level="warning")
 
 
-def start_server(model_path: str, **overrides) -> Runtime:
-    return Runtime(model_path, **{**SERVER_ARGS, **overrides})
+def start_server(model_path: str, **overrides) -> ServerProcess:
+    return ServerProcess(model_path, **{**SERVER_ARGS, **overrides})
 
 
 def assert_error(resp: httpx.Response, status: int, param_or_text: str | None = None) -> dict:

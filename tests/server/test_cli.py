@@ -1,4 +1,4 @@
-"""The `plait` command: serve's flags, start-up and SIGINT shutdown, generate; plait.Runtime."""
+"""The `plait` command: serve's flags, start-up and SIGINT shutdown, generate; ServerProcess."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from plait.args import ServerArgs
 from plait.cli import build_parser
-from plait.frontend.runtime import Runtime, cli_flags, free_port
+from plait.launch import ServerProcess, cli_flags, free_port
 
 PLAIT = [sys.executable, "-m", "plait"]
 
@@ -76,11 +76,12 @@ def test_serve_on_a_busy_port_fails_before_loading(tiny_llama):
     assert time.monotonic() - start < 20
 
 
-def test_runtime_rejects_unknown_args_before_starting():
+def test_server_process_rejects_unknown_args_before_starting():
     with pytest.raises(TypeError, match="max_runing_requests"):
-        Runtime(max_runing_requests=3)
+        ServerProcess(max_runing_requests=3)
 
 
+@pytest.mark.model
 def test_serve_prints_url_and_sigint_stops_everything(tiny_llama):
     port = free_port()
     proc = subprocess.Popen(
