@@ -1,7 +1,7 @@
 """Throughput under CPU contention: quiet vs with a CPU-heavy competitor process beside the
 measured engine, and the ratio (issue 13: plait must keep >= 0.5x of its quiet throughput).
 
-    python -m benchmarks.contention [--model plait-tiny] [--engines plait,vllm]
+    python -m benchmarks.contention [--model plait-tiny|smollm2] [--engines plait,vllm,llamacpp]
         [--competitor matmul|plait] [--workload judge] [--repeats 3] [--quick]
         [--spin bounded|default]
     python -m benchmarks.run --contention ...   (the same, from the suite's entry point)
@@ -104,14 +104,30 @@ def _engines(names: set[str], model: str, workload: wl.SuiteWorkload, args) -> l
         vllm = next(e for e in worker.engines() if "prefix cache on" in e.name)
         vllm.close = worker.close  # the worker holds the engine
         engines.append(vllm)
+    if "llamacpp" in names:
+        from benchmarks import peers
+        from benchmarks.roofline import default_ggufs
+        from benchmarks.run import LOGS, PeerWorker
+
+        ggufs = args.gguf or default_ggufs(args.model, model)[:1]  # the Q4_1 file
+        if not ggufs:
+            raise SystemExit("contention: llamacpp needs --gguf for this model")
+        LOGS.mkdir(parents=True, exist_ok=True)
+        worker = PeerWorker(model, {workload.name: workload}, args.vllm_kv_gib, args.peers_venv,
+                            LOGS / "llamacpp-contention.log",
+                            ["--engines", peers.llamacpp_name(ggufs[0]), "--gguf", ggufs[0]],
+                            iomp=False)
+        llama = worker.engines()[0]
+        llama.close = worker.close
+        engines.append(llama)
     return engines
 
 
 def measure(args) -> dict:
-    from benchmarks import models
     from plait.models.config import ModelConfig
+    from plait.models.resolve import resolve_model_path
 
-    model = models.resolve(args.model)
+    model = resolve_model_path(args.model)
     w = wl.suite(ModelConfig.from_dir(model).vocab_size, quick=args.quick)[args.workload]
     if args.spin == "default":
         os.environ.update(DEFAULT_SPIN)  # inherited by the engines' children
@@ -171,7 +187,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="plait-tiny")
-    ap.add_argument("--engines", default="plait", help="subset of plait,vllm")
+    ap.add_argument("--engines", default="plait", help="subset of plait,vllm,llamacpp")
+    ap.add_argument("--gguf", action="append", default=None,
+                    help="GGUF for llamacpp (default for smollm2: its Q4_1 file)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="the suite's tiny workload sizes")
     ap.add_argument("--vllm-kv-gib", type=float, default=2)

