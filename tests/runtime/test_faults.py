@@ -51,7 +51,7 @@ def test_engine_isolates_a_failing_request_then_fails_fast_when_its_scheduler_di
         caller = threading.Thread(target=long_call)
         caller.start()
         time.sleep(1.0)
-        os.kill(engine._runtime.procs["scheduler"].pid, signal.SIGKILL)
+        os.kill(engine._children.procs["scheduler"].pid, signal.SIGKILL)
         caller.join(timeout=10)
         assert not caller.is_alive(), "the in-flight call hangs"
         assert "scheduler process died" in str(result["error"])
