@@ -81,10 +81,12 @@ def peer_env(venv: Path = DEFAULT_VENV, kv_gib: float = 4, cores: str | None = N
 
 # ----------------------------------------------------------------------------- worker
 class VllmPeer:
-    def __init__(self, name: str, model: str, prefix_caching: bool, max_model_len: int) -> None:
+    def __init__(self, name: str, model: str, prefix_caching: bool, max_model_len: int,
+                 json_any_whitespace: bool = False) -> None:
         from vllm import LLM
 
         self.name = name
+        self.json_any_whitespace = json_any_whitespace
         self.llm = LLM(
             model=model,
             dtype="float32",
@@ -102,7 +104,13 @@ class VllmPeer:
             max_tokens=max_new_tokens,
             ignore_eos=ignore_eos,
             min_tokens=max_new_tokens if ignore_eos else 0,
-            structured_outputs=StructuredOutputsParams(json=json_schema) if json_schema else None,
+            # disable_any_whitespace (unless --vllm-json-any-whitespace): the layout plait's
+            # grammar uses (', ' and ': ', no free whitespace). vLLM's default lets SmolLM2
+            # pile up newlines to the token limit (30 of 32 json outputs cut off), so its out
+            # tok/s would count whitespace
+            structured_outputs=StructuredOutputsParams(
+                json=json_schema, disable_any_whitespace=not self.json_any_whitespace,
+            ) if json_schema else None,
         )
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -461,7 +469,8 @@ def start_engines(args) -> list:
         if n in ggufs:
             engines.append(LlamaCppPeer(n, ggufs[n], args.max_model_len))
         else:
-            engines.append(VllmPeer(n, args.model, ENGINES[n], args.max_model_len))
+            engines.append(VllmPeer(n, args.model, ENGINES[n], args.max_model_len,
+                                    args.vllm_json_any_whitespace))
     print(
         f"peers: {len(engines)} engines up in {time.perf_counter() - start:.1f} s",
         file=sys.stderr,
@@ -551,6 +560,8 @@ def main(argv=None) -> None:
                          "(<gguf file name>) (default: all vLLM ones and every --gguf)")
     ap.add_argument("--gguf", action="append", default=[], help="GGUF file for llama.cpp")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--vllm-json-any-whitespace", action="store_true",
+                    help="vLLM's default JSON layout (free whitespace) instead of plait's")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="standalone mode: write timings here and exit")
     args = ap.parse_args(argv)

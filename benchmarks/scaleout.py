@@ -49,8 +49,8 @@ import httpx
 
 from benchmarks.serving import WORDS
 from plait.args import ServerArgs
-from plait.frontend.replicas import free_port_block, router_command
-from plait.frontend.runtime import free_port
+from plait.launch import free_port
+from plait.server.replicas import free_port_block, router_command
 
 RESULTS = Path(__file__).parent / "results"
 SMOL = "/tmp/smol/hf"

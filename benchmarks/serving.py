@@ -8,7 +8,7 @@ Workload: a shared-prefix chat (one long system prompt — rubric plus few-shot 
 then a distinct short user question per request), streamed through /v1/chat/completions with
 `ignore_eos` so every request generates exactly --max-tokens tokens. Each client is closed-loop
 (sends its next request when the previous one finished). For each cache mode a fresh server
-starts (plait.Runtime), gets a warm-up request, and runs every concurrency level from a flushed
+starts (ServerProcess), gets a warm-up request, and runs every concurrency level from a flushed
 cache. Reports requests/s, output tokens/s, TTFT and TPOT p50/p99 and the prompt cache hit rate;
 prints a markdown table and writes benchmarks/results/serving.json.
 """
@@ -257,12 +257,12 @@ def main(argv=None) -> None:
         results["server"] = bench_server(args.url, info["served_model_name"], args, args.api_key)
         meta["model"] = info["model_path"]
     else:
-        from plait.frontend.runtime import Runtime
+        from plait.launch import ServerProcess
 
         extra = json.loads(args.server_args)
         for mode in args.cache:
             print(f"radix cache {mode}: starting plait serve", flush=True)
-            with Runtime(
+            with ServerProcess(
                 args.model,
                 disable_radix_cache=mode == "off",
                 log_level="warning",

@@ -183,7 +183,7 @@ def rss_by_process(pid: int) -> dict[str, int]:
 
 def _role(proc: psutil.Process) -> str:
     cmd = proc.cmdline()
-    return cmd[3] if len(cmd) > 3 and cmd[2] == "plait.frontend.child" else proc.name()
+    return cmd[3] if len(cmd) > 3 and cmd[2] == "plait.launch" else proc.name()
 
 
 def kv_stats(url: str, headers: dict) -> dict[str, Any]:
@@ -231,7 +231,7 @@ def drained(url: str, headers: dict, pid: int, timeout: float = 60.0) -> dict[st
 
 # ---------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from plait.frontend.runtime import Runtime
+    from plait.launch import ServerProcess
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rt = None
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if pid is None:
             raise SystemExit("soak: --url needs --pid (the server's process id) for RSS")
     else:
-        rt = Runtime(args.model, max_running_requests=args.concurrency, log_level="warning")
+        rt = ServerProcess(args.model, max_running_requests=args.concurrency, log_level="warning")
         url, pid = rt.url, rt.proc.pid
     stats: dict[str, Any] = {"sent": {}, "status": {}, "unexpected": [], "errors": []}
     try:

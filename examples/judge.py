@@ -13,7 +13,6 @@ line compares the judge's accuracy with the majority-class baseline.
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import plait as pl
@@ -127,20 +126,7 @@ def main(limit: int = 40, backend: pl.Backend | None = None, progress_bar: bool 
     return result
 
 
-def backend_from_args(args: argparse.Namespace) -> pl.Backend:
-    if args.url:
-        return pl.RuntimeEndpoint(args.url)
-    return pl.EngineBackend(args.model)  # None: plait's default model
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running `plait serve` (default: an in-process engine)")
-    parser.add_argument("--model", help="model path or name (default: plait's default model)")
-    parser.add_argument("--limit", type=int, default=40, help="number of labeled items")
-    args = parser.parse_args()
-    backend = backend_from_args(args)
-    try:
-        main(args.limit, backend)
-    finally:
-        backend.shutdown()
+    from _common import run_example  # examples/ is on sys.path when a script runs
+
+    run_example(__doc__, main, 40, "number of labeled items")

@@ -11,7 +11,6 @@ program is plain Python around the model. The last line prints solved/total.
 
 from __future__ import annotations
 
-import argparse
 import operator
 import random
 
@@ -118,21 +117,7 @@ def main(limit: int = 10, max_steps: int = 3, backend: pl.Backend | None = None)
     return {"solved": solved, "total": len(tasks), "states": states}
 
 
-def backend_from_args(args: argparse.Namespace) -> pl.Backend:
-    if args.url:
-        return pl.RuntimeEndpoint(args.url)
-    return pl.EngineBackend(args.model)  # None: plait's default model
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running `plait serve` (default: an in-process engine)")
-    parser.add_argument("--model", help="model path or name (default: plait's default model)")
-    parser.add_argument("--limit", type=int, default=10, help="number of tasks")
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-    backend = backend_from_args(args)
-    try:
-        main(args.limit, args.steps, backend)
-    finally:
-        backend.shutdown()
+    from _common import run_example  # examples/ is on sys.path when a script runs
+
+    run_example(__doc__, main, 10, "number of tasks", steps=3)

@@ -21,9 +21,9 @@ from plait.sampling import SamplingParams
 __version__ = "0.1.0"
 
 # Engine, SamplingParams, ServerArgs and plait.lang.__all__ (re-exported lazily;
-# tests/lang/test_reexports.py keeps the lists equal). `Runtime` is plait.lang's: it starts a
-# `plait serve` process (context manager, `.url`) and is also a backend for programs; the bare
-# server process is plait.frontend.runtime.Runtime.
+# tests/lang/test_reexports.py keeps the lists equal). `Runtime` is plait.lang's (SGLang's
+# `sgl.Runtime`): it starts a `plait serve` process (context manager, `.url`) and is also a
+# backend for programs; the bare server process is plait.launch.ServerProcess.
 __all__ = [
     "Backend",
     "BackendError",
@@ -73,7 +73,7 @@ _LANG_NAMES = frozenset(__all__) - {"Engine", "SamplingParams", "ServerArgs"}
 def __getattr__(name: str):
     # heavy modules load on first use so `import plait` stays fast
     if name == "Engine":
-        from plait.frontend.engine import Engine
+        from plait.engine import Engine
 
         return Engine
     if name in _LANG_NAMES:

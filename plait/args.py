@@ -13,14 +13,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.models.resolve import DEFAULT_MODEL
-from plait.registry import ATTENTION_BACKENDS, GRAMMAR_BACKENDS, SCHEDULE_POLICIES, Registry
+from plait.registry import (
+    ATTENTION_BACKENDS,
+    GRAMMAR_BACKENDS,
+    QUANTIZATION_METHODS,
+    SCHEDULE_POLICIES,
+    Registry,
+)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GRAMMAR_ISOLATIONS = ("thread", "process")
 # `plait serve` reads the API key from here when --api-key is not given (plait.Runtime uses it)
 API_KEY_ENV = "PLAIT_API_KEY"
-# sglang-router's --policy choices that need nothing but worker URLs (plait/frontend/replicas.py)
+# sglang-router's --policy choices that need nothing but worker URLs (plait/server/replicas.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
@@ -121,7 +127,25 @@ class ServerArgs:
         "thread", "run compiles on threads, or in child processes killed at the timeout",
         GRAMMAR_ISOLATIONS,
     )
-    disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token")
+    grammar_any_whitespace: bool = _opt(
+        False, "JSON constraints allow free whitespace between tokens (at most 12 in a run), as "
+        "vLLM's default does; off: one fixed layout, ', ' and ': ' separators",
+    )
+    disable_jump_forward: bool = _opt(
+        False, "no grammar jump-forward: the model decodes text the grammar forces, token by "
+        "token under the mask, instead of the forced text's own tokenization",
+    )
+    speculative_ngram: int = _opt(
+        0, "n-gram (prompt-lookup) speculative decoding: propose up to K tokens that followed "
+        "the latest earlier match of the sequence's last n-gram and verify them in one forward "
+        "(greedy requests without grammar or penalties; output unchanged); 0: off",
+    )
+    speculative_ngram_max_tokens: int = _opt(
+        16, "most draft tokens verified per forward, summed over its requests (drafts widen "
+        "the forward; requests whose drafts were accepted most get them first)",
+    )
+    speculative_ngram_max_match: int = _opt(3, "longest n-gram matched for --speculative-ngram")
+    speculative_ngram_min_match: int = _opt(1, "shortest n-gram matched for --speculative-ngram")
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
     num_threads: int | None = _opt(
         None, "torch CPU threads in the scheduler (default: all cores, split between TP ranks)"
@@ -134,10 +158,20 @@ class ServerArgs:
         False, "on CPU, run the logits and large projections on torch's plain weights instead of "
         "oneDNN-prepacked ones (the logits copy costs one extra output embedding of memory)",
     )
+    quantization: str = _opt(
+        "none", "CPU: weight-only quantized decoder-layer linears, quantized at load time from "
+        "the checkpoint's weights (int8: per-output-row scales; int4: scale and min per 32 "
+        "inputs, GGUF Q4_1's form); activations stay fp32. Fewer weight bytes per decode step",
+        _choices(QUANTIZATION_METHODS, "none"),
+    )
+    quantize_lm_head: bool = _opt(
+        False, "with --quantization: also quantize the logits GEMM (the output embedding; a "
+        "tied input embedding keeps its fp32 copy for the lookup)",
+    )
     stream_interval: int = _opt(1, "send streamed tokens every N decode steps")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
     ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: private tmp)")
-    # data parallelism (plait/frontend/replicas.py): `plait serve` only
+    # data parallelism (plait/server/replicas.py): `plait serve` only
     dp_size: int = _opt(
         1, "serve N independent replicas on ports PORT+1..PORT+N (each its own process, KV "
         "pool and radix cache) and print the sglang-router command that fronts them",
@@ -165,6 +199,13 @@ class ServerArgs:
                      "stream_interval", "tp_size", "dp_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 0:
+            raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram!r}")
+        if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match:
+            raise ValueError(
+                "speculative_ngram_min_match, speculative_ngram_max_match: need "
+                "1 <= min <= max"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens: must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static <= 0.95:
@@ -179,6 +220,10 @@ class ServerArgs:
             raise ValueError("max_prompt_chars: must be >= 1")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("grammar_compile_timeout: must be > 0")
+        if self.quantization != "none" and self.tp_size > 1:
+            raise ValueError("quantization: not supported with tensor parallelism (--tp > 1)")
+        if self.quantize_lm_head and self.quantization == "none":
+            raise ValueError("quantize_lm_head: needs --quantization int8 or int4")
         if self.dp_size > 1 and not 0 < self.port <= 65535 - self.dp_size:
             raise ValueError(f"dp_size: ports {self.port}+1..+{self.dp_size} are out of range")
 

@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if ns.command == "serve" and (args.dp_size > 1 or args.router):
-            from plait.frontend.replicas import launch_replicas
+            from plait.server.replicas import launch_replicas
 
             return launch_replicas(args)
         if ns.command == "serve":
-            from plait.frontend.http_server import launch_server
+            from plait.server.http_server import launch_server
 
             launch_server(args)
             return 0
@@ -96,7 +96,7 @@ def generate(ns: argparse.Namespace, args: ServerArgs) -> int:
         print("plait generate: --dp and --router are options of plait serve", file=sys.stderr)
         return 2
 
-    from plait.frontend.engine import Engine
+    from plait.engine import Engine
 
     sampling = {
         "max_new_tokens": ns.max_new_tokens,

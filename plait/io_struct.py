@@ -362,8 +362,9 @@ def format_output(state: ReqState, return_logprob: bool) -> dict[str, Any]:
         "completion_tokens": state.meta.get("completion_tokens", len(state.output_ids)),
         "cached_tokens": state.meta.get("cached_tokens", 0),
     }
-    if "forced_tokens" in state.meta:
-        meta["forced_tokens"] = state.meta["forced_tokens"]
+    for key in ("forced_tokens", "spec_accepted_tokens"):
+        if key in state.meta:
+            meta[key] = state.meta[key]
     if state.finished_reason and state.finished_reason.get("incomplete"):
         meta["incomplete"] = True
     if return_logprob:

@@ -58,3 +58,8 @@ SCHEDULE_POLICIES = Registry("schedule_policy", {
     "lpm": "plait.runtime.schedule_policy:order_lpm",
     "fcfs": "plait.runtime.schedule_policy:order_fcfs",
 })
+# weight-only quantized linears (--quantization): a module class built from (weight, bias)
+QUANTIZATION_METHODS = Registry("quantization", {
+    "int8": "plait.kernels.woq:Int8Linear",
+    "int4": "plait.kernels.woq:Int4Linear",
+})

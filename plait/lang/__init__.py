@@ -29,10 +29,8 @@ from plait.lang.api import (
     gen,
     gen_int,
     gen_string,
-    get_default_backend,
     get_server_info,
     select,
-    set_default_backend,
     system,
     system_begin,
     system_end,
@@ -50,6 +48,7 @@ from plait.lang.backends import (
     UnsupportedFeature,
     Usage,
 )
+from plait.lang.backends.default import get_default_backend, set_default_backend
 from plait.lang.chat_template import ChatTemplate
 from plait.lang.choices import (
     ChoicesDecision,

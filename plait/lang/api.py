@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import re
-import weakref
 from typing import Any
 
-from plait.lang.backends.base import Backend
+from plait.lang.backends.default import resolve_backend
 from plait.lang.choices import ChoicesSamplingMethod, token_length_normalized
 from plait.lang.ir import Gen, RoleBegin, RoleEnd, Select, role_exprs
 from plait.lang.program import Function
 from plait.sampling import schema_to_json
-
-# The backend programs use when run() names none (SGLang's global_config.default_backend).
-_default_backend: dict[str, Backend | None] = {"backend": None}
-_engine_backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def function(func=None, *, num_api_spec_tokens: int | None = None):
@@ -22,35 +17,6 @@ def function(func=None, *, num_api_spec_tokens: int | None = None):
     if func is None:
         return lambda f: Function(f, num_api_spec_tokens=num_api_spec_tokens)
     return Function(func, num_api_spec_tokens=num_api_spec_tokens)
-
-
-def set_default_backend(backend: Any) -> None:
-    """A RuntimeEndpoint, Runtime, EngineBackend, OpenAI, or a plait.Engine."""
-    _default_backend["backend"] = resolve_backend(backend) if backend is not None else None
-
-
-def get_default_backend() -> Backend | None:
-    return _default_backend["backend"]
-
-
-def resolve_backend(backend: Any = None) -> Backend:
-    backend = backend if backend is not None else _default_backend["backend"]
-    if backend is None:
-        raise ValueError(
-            "no backend: call pl.set_default_backend(...) (e.g. pl.EngineBackend(), "
-            "pl.RuntimeEndpoint(url)) or pass backend=..."
-        )
-    if isinstance(backend, Backend):
-        return backend
-    from plait.frontend.engine import Engine
-
-    if isinstance(backend, Engine):
-        if backend not in _engine_backends:
-            from plait.lang.backends.engine import EngineBackend
-
-            _engine_backends[backend] = EngineBackend(backend)
-        return _engine_backends[backend]
-    raise TypeError(f"not a backend: {type(backend).__name__}")
 
 
 def flush_cache(backend: Any = None) -> None:

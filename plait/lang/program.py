@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from plait.lang.backends.base import Backend
+from plait.lang.backends.default import resolve_backend
 from plait.lang.executor import Defaults
 from plait.lang.ir import is_sampling_kwarg, split_sampling_kwargs
 from plait.lang.runner import (
@@ -75,13 +76,14 @@ class Function:
         with state.text_iter()). An exception in the body is raised; a failed request is
         on state.error()."""
         program_args, defaults = self._split(kwargs)
-        return run_program(self, _backend(backend), args, program_args, defaults, stream)
+        return run_program(self, resolve_backend(backend), args, program_args, defaults, stream)
 
     async def arun(
         self, *args: Any, stream: bool = False, backend: Backend | None = None, **kwargs: Any
     ) -> ProgramState:
         program_args, defaults = self._split(kwargs)
-        return await arun_program(self, _backend(backend), args, program_args, defaults, stream)
+        backend = resolve_backend(backend)
+        return await arun_program(self, backend, args, program_args, defaults, stream)
 
     __call__ = run
 
@@ -202,7 +204,7 @@ class Function:
         self, backend, n, num_threads, max_concurrency, progress_bar, plan_prefix, sampling
     ) -> BatchConfig:
         return BatchConfig(
-            backend=_backend(backend),
+            backend=resolve_backend(backend),
             defaults=_defaults(sampling),
             concurrency=resolve_concurrency(num_threads, max_concurrency, max(n, 1)),
             progress_bar=progress_bar,
@@ -217,12 +219,6 @@ def _defaults(sampling: dict[str, Any]) -> Defaults:
     fields, logprobs = split_sampling_kwargs(sampling)
     SamplingParams.from_dict(fields)  # a bad default fails here, at the call
     return Defaults(fields, logprobs)
-
-
-def _backend(backend: Any) -> Backend:
-    from plait.lang.api import resolve_backend
-
-    return resolve_backend(backend)
 
 
 async def _next(agen: AsyncIterator[Any]) -> Any:

@@ -115,6 +115,8 @@ _LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 1024,
 }
+# the test variants' shape (8k vocabulary, hidden 128 x 2 layers) and the benchmark models'
+# (the full cl100k vocabulary, a Llama with tied embeddings)
 _SMALL: dict[str, Any] = {
     "vocab": 8192,
     "vocab_size": 8256,
@@ -124,82 +126,54 @@ _SMALL: dict[str, Any] = {
     "num_attention_heads": 4,
     "head_dim": 32,
 }
+_FULL_LLAMA: dict[str, Any] = {
+    "architecture": "LlamaForCausalLM",
+    "vocab": CL100K_VOCAB,
+    "vocab_size": 100352,
+    "tie_word_embeddings": True,
+}
+_LLAMA3: dict[str, Any] = {
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "rope_theta": 500000.0,
+    "rope_scaling": _LLAMA3_SCALING,
+}
+
+
+def _small(architecture: str, seed: int, description: str, **fields: Any) -> CheckpointSpec:
+    return CheckpointSpec(
+        architecture=architecture, seed=seed, description=description, **_SMALL, **fields
+    )
+
 
 CHECKPOINT_SPECS: dict[str, CheckpointSpec] = {
     "plait-tiny": CheckpointSpec(
-        architecture="LlamaForCausalLM",
-        vocab=CL100K_VOCAB,
-        vocab_size=100352,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        tie_word_embeddings=True,
-        seed=1234,
+        **_FULL_LLAMA, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, seed=1234,
         description="the embedded default model: Llama, full cl100k vocab, GQA, tied",
     ),
-    "tiny-llama": CheckpointSpec(
-        architecture="LlamaForCausalLM",
-        **_SMALL,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_SCALING,
-        seed=2001,
-        description="Llama-3 style rope scaling, untied embeddings",
+    "tiny-llama": _small(
+        "LlamaForCausalLM", 2001, "Llama-3 style rope scaling, untied embeddings", **_LLAMA3
     ),
-    "tiny-qwen2": CheckpointSpec(
-        architecture="Qwen2ForCausalLM",
-        **_SMALL,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-        attention_bias=True,
-        rope_theta=1000000.0,
-        seed=2002,
-        description="Qwen2: qkv bias, MQA, tied",
+    "tiny-qwen2": _small(
+        "Qwen2ForCausalLM", 2002, "Qwen2: qkv bias, MQA, tied",
+        num_key_value_heads=1, tie_word_embeddings=True, attention_bias=True, rope_theta=1e6,
     ),
-    "tiny-qwen3": CheckpointSpec(
-        architecture="Qwen3ForCausalLM",
-        **_SMALL,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        rope_theta=1000000.0,
-        seed=2003,
-        description="Qwen3: q_norm/k_norm, explicit head_dim, tied",
+    "tiny-qwen3": _small(
+        "Qwen3ForCausalLM", 2003, "Qwen3: q_norm/k_norm, explicit head_dim, tied",
+        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6,
     ),
-    "tiny-mistral": CheckpointSpec(
-        architecture="MistralForCausalLM",
-        **_SMALL,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        seed=2004,
-        description="Mistral, no sliding window, untied",
+    "tiny-mistral": _small(
+        "MistralForCausalLM", 2004, "Mistral, no sliding window, untied",
+        num_key_value_heads=2, tie_word_embeddings=False,
     ),
-    "tiny-llama-sharded": CheckpointSpec(
-        architecture="LlamaForCausalLM",
-        **_SMALL,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_SCALING,
-        seed=2001,
-        num_shards=2,
-        description="tiny-llama saved as two safetensors shards",
+    "tiny-llama-sharded": _small(
+        "LlamaForCausalLM", 2001, "tiny-llama saved as two safetensors shards",
+        **_LLAMA3, num_shards=2,
     ),
     "bench-large": CheckpointSpec(
-        architecture="LlamaForCausalLM",
-        vocab=CL100K_VOCAB,
-        vocab_size=100352,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=8,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=64,
-        tie_word_embeddings=True,
-        seed=3001,
+        **_FULL_LLAMA, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+        num_attention_heads=12, num_key_value_heads=4, head_dim=64, seed=3001,
         description="a larger Llama for benchmarks (~130M parameters)",
     ),
 }

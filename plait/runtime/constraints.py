@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,9 @@ from plait.args import ServerArgs
 from plait.grammar.base import GrammarError, allocate_token_bitmask
 from plait.runtime.core import ClosingPlan, Req, RequestFailed
 
+# jump-forward leaves at most this many of its last tokens to the model (a longer token may
+# span the end of the forced text)
+JF_HOLD_BACK = 3
 # start planning a closing once this few output tokens remain
 CLOSE_WINDOW = 48
 # tokens the closing planner may force early: free generation must not outgrow the plan
@@ -40,6 +44,7 @@ class ConstraintTracker:
         self._pending: list[tuple[Req, Any]] = []
         self._closers: list[int] | None = None
         self._quotes: list[int] | None = None
+        self._spelled = None
 
     @property
     def manager(self):
@@ -54,6 +59,7 @@ class ConstraintTracker:
                 compile_timeout=self.args.grammar_compile_timeout,
                 cache_dir=self.args.grammar_cache_dir,
                 isolation=self.args.grammar_isolation,
+                any_whitespace=self.args.grammar_any_whitespace,
             )
         return self._manager
 
@@ -121,9 +127,13 @@ class ConstraintTracker:
 
     def jump_forward(self, req: Req, limit: int) -> list[int]:
         """Tokens of the text the grammar forces next (canonically tokenized), already
-        checked against the matcher (which is left unchanged)."""
+        checked against the matcher (which is left unchanged). The last tokens are held back
+        when the grammar allows a longer token that starts with their text: tokenized alone,
+        forced text ends at a token boundary the model would not choose (`"items": [` forced
+        as ` [` where the model takes ` ["`), which changes what it generates next.
+        Off with --disable-jump-forward: the model then decodes every token under the mask."""
         m = req.grammar
-        if m is None or m.is_terminated() or limit <= 0:
+        if self.args.disable_jump_forward or m is None or m.is_terminated() or limit <= 0:
             return []
         text = m.find_jump_forward_string()
         if not text:
@@ -134,9 +144,54 @@ class ConstraintTracker:
             if not m.accept_token(tok):
                 break
             accepted += 1
-        if accepted:
-            m.rollback(accepted)
-        return ids[:accepted]
+        ids = ids[:accepted]
+        held, rolled = self._held_back(m, ids)
+        if accepted - rolled:
+            m.rollback(accepted - rolled)
+        return ids[: accepted - held]
+
+    def _held_back(self, m, ids: list[int]) -> tuple[int, int]:
+        """How many of the forced `ids` (all accepted by m) to leave to the model: the most,
+        up to JF_HOLD_BACK, whose text a longer token allowed in their place starts with.
+        Returns (held, rolled back from m here)."""
+        held = rolled = 0
+        for k in range(1, min(len(ids), JF_HOLD_BACK) + 1):
+            m.rollback(1)
+            rolled += 1
+            if self._extension_allowed(m, ids[-k:]):
+                held = k
+        return held, rolled
+
+    def _extension_allowed(self, m, tail: list[int]) -> bool:
+        """The matcher allows a token whose text starts with the text of `tail` and is longer."""
+        spelled, index = self._spelling()
+        parts = [spelled[t] for t in tail]
+        if any(p is None for p in parts):
+            return False
+        text = b"".join(parts)
+        keys = index[0]
+        lo = bisect.bisect_right(keys, text)  # longer tokens with this prefix sort after it
+        candidates = []
+        for i in range(lo, len(keys)):
+            if not keys[i].startswith(text):
+                break
+            candidates.append(index[1][i])
+        if not candidates:
+            return False
+        mask = allocate_token_bitmask(1, self.vocab_size)
+        m.fill_bitmask(mask, 0)
+        words = mask[0]
+        return any((int(words[t >> 5]) >> (t & 31)) & 1 for t in candidates)
+
+    def _spelling(self):
+        """Token bytes by id, and (sorted spellings, their ids) for prefix look-ups."""
+        if self._spelled is None:
+            from plait.grammar.vocab import token_bytes
+
+            spelled = token_bytes(self.tokenizer)[: self.vocab_size]
+            pairs = sorted((b, i) for i, b in enumerate(spelled) if b)
+            self._spelled = (spelled, ([b for b, _ in pairs], [i for _, i in pairs]))
+        return self._spelled
 
     # ------------------------------------------------------------------ budget
     def closing(self, req: Req) -> list[int]:

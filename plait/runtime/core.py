@@ -63,6 +63,10 @@ class Req:
     num_forced_tokens: int = 0
     closing_plan: ClosingPlan = field(default_factory=ClosingPlan)
     finished_reason: dict[str, Any] | None = None
+    # speculative decoding (plait.runtime.ngram): the request's n-gram index, and how many
+    # proposed tokens the model accepted (each one a forward saved)
+    ngram_index: Any = None
+    spec_accepted_tokens: int = 0
     sent_output_len: int = 0  # output tokens already sent to the detokenizer
 
     # logprobs accumulated since the last send
@@ -129,9 +133,14 @@ class Batch:
     extend_lens: list[int]  # new tokens of each request in this forward
     # whether each request samples a token after this forward (False for a non-final chunk)
     samples_token: list[bool]
+    # a speculative decode step (EXTEND mode): each request's draft tokens, verified after its
+    # pending token (extend_lens[i] == 1 + len(draft_ids[i])); None for any other batch
+    draft_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.reqs) == len(self.extend_lens) == len(self.samples_token)
+        if self.draft_ids is not None:
+            assert all(n == 1 + len(d) for n, d in zip(self.extend_lens, self.draft_ids))
         assert all(n > 0 for n in self.extend_lens)
 
     @property

@@ -64,6 +64,13 @@ class KVManager:
         assert req.kv_len + n <= req.alloc_len, "committing KV that was never allocated"
         req.kv_len += n
 
+    def free_uncommitted(self, req: Req) -> None:
+        """Give back the slots allocated past kv_len (rejected draft tokens): their KV is
+        garbage and the next allocation starts at kv_len again."""
+        if req.alloc_len > req.kv_len:
+            self.kv_pool.free(self.req_to_token.read(req.req_pool_idx, req.alloc_len, req.kv_len))
+        req.alloc_len = req.kv_len
+
     def _alloc_slots(self, n: int) -> torch.Tensor | None:
         if self.kv_pool.free_size < n:
             self.cache.evict(n - self.kv_pool.free_size)

@@ -2,7 +2,8 @@
 output-token logprobs (with top-k) that requests asked for.
 
 A forward computes logits only for the rows listed by `plan_logit_rows`: first the last row of
-each request that samples (in batch order), then prompt rows whose logprobs were requested.
+each request that samples (in batch order), then prompt rows whose logprobs were requested, then
+the rows that verify speculative drafts.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ class LogitRows(NamedTuple):
     rows: list[int]  # flattened token rows of the batch whose logits the forward computes
     # batch index -> [(token row, prompt position whose token that row predicts)]
     input_rows: dict[int, list[tuple[int, int]]]
+    # batch index -> the token rows before its last one, for a speculative request (its
+    # pending token and all but the last draft token: with the last row, they verify the draft)
+    draft_rows: dict[int, list[int]] = {}
 
 
 def plan_logit_rows(batch: Batch) -> LogitRows:
     rows: list[int] = []
     input_rows: dict[int, list[tuple[int, int]]] = {}
+    draft_rows: dict[int, list[int]] = {}
     offset = 0
     for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens)):
         if req.wants_input_logprobs and req.kv_len < len(req.input_ids):
@@ -32,9 +37,12 @@ def plan_logit_rows(batch: Batch) -> LogitRows:
                     input_rows.setdefault(i, []).append((offset + pos - req.kv_len, pos + 1))
         if batch.samples_token[i]:
             rows.append(offset + ext - 1)
+        if batch.draft_ids is not None and ext > 1:
+            draft_rows[i] = list(range(offset, offset + ext - 1))
         offset += ext
     extra = sorted({r for pairs in input_rows.values() for r, _ in pairs} - set(rows))
-    return LogitRows(rows + extra, input_rows)
+    drafts = [r for rs in draft_rows.values() for r in rs]
+    return LogitRows(rows + extra + drafts, input_rows, draft_rows)
 
 
 def record_input_logprobs(

@@ -16,7 +16,9 @@ from plait.kernels.base import (
     create_attention_backend,
     resolve_backend_name,
 )
+from plait.kernels.woq import quantize_linears
 from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
+from plait.registry import QUANTIZATION_METHODS
 from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
 from plait.models.config import ModelConfig
@@ -87,9 +89,12 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_allocator()
         self.model = load_model(model_path, local, attn, self.dtype, self.device, self.sharding)
+        if args.quantization != "none":
+            self._quantize(args)
         if self.device.type == "cpu" and not args.disable_cpu_prepack:
             # a copy: tied embeddings still need the plain weight for the input lookup
-            self.model.packed_lm_head = pack_linear(self.model.lm_head_weight)
+            if getattr(self.model, "packed_lm_head", None) is None:
+                self.model.packed_lm_head = pack_linear(self.model.lm_head_weight)
             pack_layer_linears(self.model.model)  # the decoder layers (not lm_head)
             if self.sharding:
                 pack_row_parallel(self.model.model)
@@ -109,6 +114,25 @@ class ModelRunner:
             f", tensor parallel rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "",
         )
 
+    def _quantize(self, args: ServerArgs) -> None:
+        """Weight-only quantized decoder-layer linears (and the logits GEMM if asked): the
+        layers' fp32 weights are dropped; the output embedding keeps its fp32 weight (the
+        input lookup of tied embeddings reads it)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError(
+                f"quantization: {args.quantization} runs on the CPU with float32 activations "
+                f"(got device {self.device}, dtype {self.dtype})"
+            )
+        linear_cls = QUANTIZATION_METHODS.load(args.quantization)
+        replaced = quantize_linears(self.model.model, linear_cls)
+        if args.quantize_lm_head:
+            with torch.inference_mode():
+                self.model.packed_lm_head = linear_cls(self.model.lm_head_weight)
+        logger.info(
+            "quantization %s: %d decoder linears%s", args.quantization, replaced,
+            " and the logits GEMM" if args.quantize_lm_head else "",
+        )
+
     def _pool_size(self) -> int:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
@@ -125,8 +149,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     def prepare_inputs(self, batch: Batch) -> ForwardInputs:
         ids: list[int] = []
-        for req, ext in zip(batch.reqs, batch.extend_lens):
+        for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens)):
             ids.extend(req.all_ids[req.kv_len : req.kv_len + ext])
+            if batch.draft_ids is not None:  # speculative: the draft follows the pending token
+                ids.extend(batch.draft_ids[i])
         return ForwardInputs(
             mode=batch.mode,
             input_ids=ids,

@@ -100,4 +100,7 @@ def _append(out: BatchTokenOut, req: Req) -> None:
     out.input_top_logprobs.append(req.input_top_logprobs or None)
     if req.input_token_logprobs:  # sent once
         req.input_token_logprobs, req.input_top_logprobs = [], []
-    out.extra_meta.append({"forced_tokens": req.num_forced_tokens, "queue_time": req.queue_time})
+    extra = {"forced_tokens": req.num_forced_tokens, "queue_time": req.queue_time}
+    if req.ngram_index is not None:  # speculation was tried for it
+        extra["spec_accepted_tokens"] = req.spec_accepted_tokens
+    out.extra_meta.append(extra)

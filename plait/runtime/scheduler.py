@@ -39,6 +39,7 @@ from plait.runtime.constraints import ConstraintTracker
 from plait.runtime.core import Batch, Req, RequestFailed
 from plait.runtime.kv_manager import KVManager
 from plait.runtime.model_runner import ModelRunner
+from plait.runtime.ngram import NgramIndex, accepted_prefix
 from plait.runtime.output import OutputCollector, StopChecker
 from plait.runtime.parallel import TPGroup
 from plait.runtime.sampler import Sampler
@@ -83,6 +84,9 @@ class Scheduler:
             "request_forwards": 0,  # forwards summed over the requests in them
             # decode KV rows read once for a group sharing a cached prefix, not once per member
             "decode_shared_kv_tokens": 0,
+            # n-gram speculation: decode steps run as a verifying extend, tokens proposed, and
+            # proposed tokens the model agreed with (each one a decode forward saved)
+            "spec_forwards": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
         }
         self._handlers = {
             TokenizedGenerateReq: self.handle_generate,
@@ -206,22 +210,16 @@ class Scheduler:
     def _make_req(self, msg: TokenizedGenerateReq) -> Req:
         if msg.rid in self.reqs:
             raise ValueError(f"rid: request id {msg.rid!r} is already running")
+        # The prompt and sampling parameters were validated once, by the tokenizer manager
+        # (GenerateInput.normalize, TokenizerManager.validate); what only the scheduler knows
+        # is checked here: which requests run, and the KV pool's size.
         sampling = SamplingParams.from_dict(msg.sampling_params)
-        if not msg.input_ids:
-            raise ValueError("input_ids: the prompt is empty")
         need = len(msg.input_ids) + sampling.max_new_tokens
-        if len(msg.input_ids) >= self.runner.context_length:
-            raise ValueError(
-                f"input_ids: prompt of {len(msg.input_ids)} tokens does not fit the context "
-                f"length {self.runner.context_length}"
-            )
         if need > self.runner.kv_pool.size:
             raise ValueError(
                 f"max_new_tokens: the request needs {need} KV slots but the whole pool has "
                 f"{self.runner.kv_pool.size}"
             )
-        if max(msg.input_ids) >= self.runner.config.vocab_size or min(msg.input_ids) < 0:
-            raise ValueError("input_ids: token id out of the model's vocabulary")
         return Req(
             rid=msg.rid, input_ids=list(msg.input_ids), sampling=sampling,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
@@ -338,10 +336,39 @@ class Scheduler:
                 reqs.remove(victim)
         if not reqs:
             return None
-        for req in reqs:
-            assert self.kv.alloc(req, 1)
+        drafts = self._propose_drafts(reqs)
+        for req, draft in zip(reqs, drafts):
+            assert self.kv.alloc(req, 1 + len(draft))
         self.ratio.on_decode()
+        if any(drafts):  # verify the drafts: an extend of each pending token + its draft
+            lens = [1 + len(d) for d in drafts]
+            return Batch(ForwardMode.EXTEND, reqs, lens, [True] * len(reqs), drafts)
         return Batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
+
+    def _propose_drafts(self, reqs: list[Req]) -> list[list[int]]:
+        """Each decoding request's n-gram draft (empty when it does not speculate), within
+        the KV slots left after one slot per request."""
+        a = self.args
+        drafts: dict[int, list[int]] = {}
+        if not a.speculative_ngram:
+            return [[] for _ in reqs]
+        # draft tokens make the forward wider: past a few dozen rows a CPU forward is compute-
+        # bound and a rejected draft costs real time, so they go to the requests whose drafts
+        # were accepted most, within a per-forward budget
+        budget = min(self.kv.available - len(reqs), a.speculative_ngram_max_tokens)
+        candidates = [r for r in reqs if _may_speculate(r)]
+        for req in candidates:
+            if req.ngram_index is None:
+                req.ngram_index = NgramIndex(a.speculative_ngram_min_match, a.speculative_ngram_max_match)
+        for req in sorted(candidates, key=lambda r: -r.ngram_index.acceptance):
+            n = min(
+                req.ngram_index.draft_len(a.speculative_ngram), budget,
+                req.remaining_new_tokens - 1, self.runner.context_length - req.seq_len,
+            )
+            if n > 0:
+                drafts[id(req)] = req.ngram_index.propose(req.all_ids, n)
+                budget -= len(drafts[id(req)])
+        return [drafts.get(id(r), []) for r in reqs]
 
     def _retract_one(self) -> Req | None:
         """Send a running request back to the waiting queue: the lowest priority first, then
@@ -376,7 +403,7 @@ class Scheduler:
                 self.fail(req, error)
             return
         mode = "extend_forwards" if batch.mode is ForwardMode.EXTEND else "decode_forwards"
-        self.counters[mode] += 1
+        self.counters["spec_forwards" if batch.draft_ids is not None else mode] += 1
         self.counters["request_forwards"] += batch.batch_size
         self.counters["decode_shared_kv_tokens"] += out.shared_kv_tokens
         with self.timer("sample"):
@@ -391,12 +418,21 @@ class Scheduler:
         self._commit_kv(batch)
         sampling = [r for r, s in zip(batch.reqs, batch.samples_token) if s]
         sample_row = {id(r): k for k, r in enumerate(sampling)}
-        new_tokens = self._sample(sampling, logits, sample_row)
-        for req in sampling:
+        drafted = {id(batch.reqs[i]): i for i in plan.draft_rows}
+        plain = [r for r in sampling if id(r) not in drafted]
+        new_tokens = self._sample(plain, logits, sample_row)
+        for req in plain:
             if req.finished:  # failed in a step above
                 continue
             with self.isolate(req):
                 self._commit_tokens(req, new_tokens.get(id(req)))
+        for i, rows in plan.draft_rows.items():
+            req = batch.reqs[i]
+            if req.finished:
+                continue
+            with self.isolate(req):
+                idx = [row_index[r] for r in rows] + [sample_row[id(req)]]
+                self._verify_draft(req, logits[idx], batch.draft_ids[i])
 
     def _record_input_logprobs(
         self, batch: Batch, logits: torch.Tensor, row_index: dict[int, int], input_rows: dict
@@ -413,6 +449,9 @@ class Scheduler:
             if req.finished:
                 continue
             with self.isolate(req):
+                if batch.draft_ids is not None:  # decoding: the draft's KV waits for _verify_draft
+                    self.kv.commit(req, 1)
+                    continue
                 self.kv.commit(req, ext)
                 if batch.mode is ForwardMode.EXTEND:
                     self.kv.cache_prefilled(req)
@@ -482,6 +521,32 @@ class Scheduler:
         if req.finished:
             self._finish(req)
 
+    def _verify_draft(self, req: Req, logits: torch.Tensor, draft: list[int]) -> None:
+        """Greedy verification: logits [1 + len(draft), V] are the model's next-token rows
+        after the pending token and after each draft token. The tokens the model picks up to
+        its first disagreement with the draft, plus that one, are exactly what plain decoding
+        would emit; the KV of the agreed draft tokens is kept and the rest freed."""
+        res = self.sampler(logits, [req] * logits.shape[0], None)
+        accepted = accepted_prefix(draft, res.next_ids)  # an error row (-1) never agrees
+        if accepted in res.errors:
+            raise res.errors[accepted]
+        before = len(req.output_ids)
+        self._emit(req, res.next_ids[: accepted + 1])  # stops at EOS, stop strings, length
+        emitted = len(req.output_ids) - before
+        if req.return_logprob:
+            for k in range(emitted):
+                logprobs.record_output_logprob(req, res.logprobs[k], res.next_ids[k])
+        kept = min(accepted, emitted)  # draft tokens now in the output, with their KV computed
+        self.kv.commit(req, kept)
+        self.kv.free_uncommitted(req)
+        req.spec_accepted_tokens += kept
+        req.ngram_index.record(len(draft), accepted)
+        self.counters["spec_draft_tokens"] += len(draft)
+        self.counters["spec_accepted_tokens"] += kept
+        self.outputs.add(req)
+        if req.finished:
+            self._finish(req)
+
     def _grammar_follow(self, req: Req) -> list[int]:
         """Tokens the grammar forces next: a closing near the budget, else jump-forward."""
         if req.finished or req.forced_ids:
@@ -518,3 +583,14 @@ class Scheduler:
             self.outputs.add(req)
         finally:
             self._free(req)
+
+
+def _may_speculate(req: Req) -> bool:
+    """Whether a draft's verification is exact with the sampler's plain greedy rows: greedy,
+    no penalties (they depend on the tokens before each row), past min_new_tokens, and no
+    grammar (its mask would have to advance through the draft)."""
+    sp = req.sampling
+    return (
+        sp.is_greedy and not sp.has_penalties and sp.constraint is None and req.grammar is None
+        and len(req.output_ids) >= sp.min_new_tokens
+    )

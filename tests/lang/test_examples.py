@@ -124,14 +124,6 @@ def test_react_agent(engine_backend, capsys):
 
 
 # ----------------------------------------------------------------------------- real model
-def _has_resolver() -> bool:
-    try:
-        from plait.models import resolve  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def smollm2_backend():
     import plait as pl
@@ -141,9 +133,7 @@ def smollm2_backend():
     backend.shutdown()
 
 
-# The lead removes this skip once the named-model resolver (`plait.models.resolve`) is merged.
 @pytest.mark.model
-@pytest.mark.skipif(not _has_resolver(), reason="named model resolver not merged yet")
 def test_examples_on_smollm2(smollm2_backend):
     # measured 8/8 parsed, 95.8% of fields right on these 8 sentences; the floor is well below.
     # (The judge and the agents are near chance on this 135M model: no floor is asserted for

@@ -17,7 +17,7 @@ def test_every_lang_name_is_a_top_level_name():
 
 
 def test_runtime_is_the_lang_runtime_and_engine_stays():
-    from plait.frontend.engine import Engine
+    from plait.engine import Engine
     from plait.lang.backends.runtime_endpoint import Runtime
 
     assert plait.Runtime is Runtime  # a server process (with .url) that is also a backend
@@ -28,7 +28,8 @@ def test_runtime_is_the_lang_runtime_and_engine_stays():
 def test_import_plait_stays_light():
     code = (
         "import sys, plait; "
-        "heavy = [m for m in ('torch', 'plait.lang', 'plait.frontend') if m in sys.modules]; "
+        "heavy = [m for m in ('torch', 'plait.lang', 'plait.engine', 'plait.server', "
+        "'plait.tokenizer') if m in sys.modules]; "
         "assert not heavy, heavy; "
         "plait.gen; assert 'plait.lang' in sys.modules"
     )

@@ -104,7 +104,7 @@ def test_launched_children_wait_with_bounded_spin(tiny_llama, monkeypatch):
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     with plait.Engine(tiny_llama, max_total_tokens=1024) as eng:
-        for name, proc in eng._runtime.procs.items():
+        for name, proc in eng._children.procs.items():
             with open(f"/proc/{proc.pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
             assert env[b"GOMP_SPINCOUNT"] == THREAD_WAIT_ENV["GOMP_SPINCOUNT"].encode(), name

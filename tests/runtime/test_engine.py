@@ -135,7 +135,7 @@ def test_children_never_outlive_the_script(tiny_llama, ending):
     code = (
         "import json, sys, time, plait\n"
         f"e = plait.Engine({str(tiny_llama)!r}, max_total_tokens=4096)\n"
-        "print(json.dumps([p.pid for p in e._runtime.procs.values()]), flush=True)\n"
+        "print(json.dumps([p.pid for p in e._children.procs.values()]), flush=True)\n"
         + ("time.sleep(600)\n" if ending == "kill" else "")
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

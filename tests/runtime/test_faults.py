@@ -3,7 +3,7 @@ that request (the next one succeeds, the pool returns to idle); a killed schedul
 Engine fail calls with the reason instead of hanging, and makes `plait serve` exit non-zero
 within 5 s; a stopped (SIGSTOP) scheduler makes /health unhealthy; the API key is in no
 process's argv; SIGTERM stops every process with status 0 and frees the port. (Killing a
-child of a server: tests/frontend/test_lifecycle.py, which checks the exit status too.)"""
+child of a server: tests/server/test_lifecycle.py, which checks the exit status too.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 import plait
-from plait.frontend.runtime import Runtime
+from plait.launch import ServerProcess
 
 pytestmark = pytest.mark.model
 
@@ -51,7 +51,7 @@ def test_engine_isolates_a_failing_request_then_fails_fast_when_its_scheduler_di
         caller = threading.Thread(target=long_call)
         caller.start()
         time.sleep(1.0)
-        os.kill(engine._runtime.procs["scheduler"].pid, signal.SIGKILL)
+        os.kill(engine._children.procs["scheduler"].pid, signal.SIGKILL)
         caller.join(timeout=10)
         assert not caller.is_alive(), "the in-flight call hangs"
         assert "scheduler process died" in str(result["error"])
@@ -79,7 +79,7 @@ def descendants(pid: int) -> list[int]:
 
 def test_server_hides_its_key_reports_a_stall_and_stops_on_sigterm(tiny_llama):
     key = "sekrit-key-4e1f"
-    rt = Runtime(tiny_llama, api_key=key, max_total_tokens=4096)
+    rt = ServerProcess(tiny_llama, api_key=key, max_total_tokens=4096)
     try:
         headers = {"Authorization": f"Bearer {key}"}
         info = httpx.get(rt.url + "/get_server_info", headers=headers, timeout=30).json()

@@ -65,6 +65,24 @@ def test_request_larger_than_the_pool_is_refused(make_scheduler):
     assert finished(io)["ok"]["type"] == "length"
 
 
+def test_an_unvalidated_request_fails_alone_and_the_scheduler_goes_on(make_scheduler):
+    """The tokenizer manager refuses these prompts (out-of-vocabulary ids, an empty prompt);
+    sent to the scheduler directly they fail with an error message, hold no KV afterwards,
+    and the scheduler serves the next request."""
+    s, io = make_scheduler(max_total_tokens=256)
+    vocab = s.runner.config.vocab_size
+    for rid, ids in (("oov", [10, vocab + 5, 11]), ("negative", [10, -3]), ("empty", [])):
+        submit(io, rid, ids, max_new_tokens=2)
+        drain(s)
+        errors = {m.rid: m for m in io.outbox if isinstance(m, RequestErrorOut)}
+        failed = errors.get(rid) is not None or finished(io).get(rid, {}).get("type") == "error"
+        assert failed, rid
+        assert s.kv.used == 0 and not s.reqs
+        submit(io, f"after-{rid}", list(range(10, 20)), max_new_tokens=3)
+        drain(s)
+        assert finished(io)[f"after-{rid}"]["type"] == "length"
+
+
 def test_memory_pressure_never_deadlocks(make_scheduler):
     s, io = make_scheduler(max_total_tokens=160, chunked_prefill_size=32)
     for i in range(12):

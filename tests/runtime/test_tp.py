@@ -193,7 +193,7 @@ def test_tp2_llama_matches_transformers_and_tp1(tiny_llama, llama_ref, tp1_mixed
         assert engine.get_server_info()["kv_used"] == 0
 
         children = _descendants(os.getpid()) - before
-        pids = {name: p.pid for name, p in engine._runtime.procs.items()}
+        pids = {name: p.pid for name, p in engine._children.procs.items()}
         assert set(pids) == {"detokenizer", "scheduler", "tp1"}
         assert set(pids.values()) <= children
     finally:
@@ -230,7 +230,7 @@ def test_a_dead_rank_fails_requests_with_503_and_nothing_hangs(tiny_llama):
         stream = engine.generate(input_ids=[1, 2, 3], stream=True, sampling_params={
             "max_new_tokens": 2000, "ignore_eos": True, "temperature": 0.0})
         next(stream)
-        os.kill(engine._runtime.procs["tp1"].pid, signal.SIGKILL)
+        os.kill(engine._children.procs["tp1"].pid, signal.SIGKILL)
         killed = time.monotonic()
         # tp1, or rank 0 whose forward failed on tp1's closed socket
         with pytest.raises(ValueError, match="(tp1|scheduler) process died") as err:

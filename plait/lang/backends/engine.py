@@ -31,7 +31,7 @@ class EngineBackend(NativeBackend):
     ) -> None:
         """`engine`: a plait.Engine, or a model path (None: the default model, SmolLM2) for
         an Engine this backend starts with `server_args` and stops in shutdown()."""
-        from plait.frontend.engine import Engine
+        from plait.engine import Engine
 
         self._owns_engine = not isinstance(engine, Engine)
         if self._owns_engine:

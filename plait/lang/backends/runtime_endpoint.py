@@ -135,13 +135,13 @@ class RuntimeEndpoint(NativeBackend):
 
 
 class Runtime(RuntimeEndpoint):
-    """Starts a local `plait serve` process (plait.frontend.runtime.Runtime) and runs programs
+    """Starts a local `plait serve` process (plait.launch.ServerProcess) and runs programs
     on it; `shutdown()` (or leaving a `with` block) stops it."""
 
     def __init__(
         self, model_path: str | None = None, *, chat_template: str | None = None, **server_args: Any
     ) -> None:
-        from plait.frontend.runtime import Runtime as ServerProcess
+        from plait.launch import ServerProcess
 
         server_args.setdefault("log_level", "warning")
         self.server = ServerProcess(model_path, **server_args)

@@ -1,0 +1,172 @@
+"""plait.Engine: the offline API (SGLang's Engine signature) over the same scheduler and
+detokenizer processes the HTTP server uses, without HTTP.
+
+The TokenizerManager lives on a private asyncio loop in a background thread; `generate`
+blocks on it, `async_generate` awaits it from the caller's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from plait.args import ServerArgs
+from plait.errors import RequestError
+from plait.io_struct import GenerateInput, ReqInput, format_output
+from plait.launch import launch_with_tokenizer
+from plait.tokenizer.tokenizer_manager import TokenizerManager
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
+        try:
+            self.args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        except TypeError as e:
+            raise TypeError(f"Engine: {e}") from None
+        self._children, self.tokenizer = launch_with_tokenizer(self.args)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="plait-engine", daemon=True)
+        self._thread.start()
+        children = self._children
+        self.tokenizer_manager = TokenizerManager(
+            self.args, self.tokenizer, children.model_info, children.addrs, children.procs
+        )
+        self._call(self.tokenizer_manager.start())
+        self._closed = False
+        atexit.register(self.shutdown)  # an Engine never shut down still stops its children
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        return dict(self._children.model_info)
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        stream: bool = False,
+    ):
+        """A dict (one prompt) or a list of dicts (a list of prompts, or n > 1), in input
+        order; with stream=True an iterator of incremental chunks (one prompt only)."""
+        inputs, batched = self._normalize(prompt, input_ids, sampling_params, return_logprob,
+                                          logprob_start_len, top_logprobs_num, stream)
+        if stream:
+            return self._stream(inputs[0])
+        outs = self._call(self._generate_all(inputs))
+        return outs if batched else outs[0]
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        stream: bool = False,
+    ):
+        inputs, batched = self._normalize(prompt, input_ids, sampling_params, return_logprob,
+                                          logprob_start_len, top_logprobs_num, stream)
+        if stream:
+            return self._astream(inputs[0])
+        fut = asyncio.run_coroutine_threadsafe(self._generate_all(inputs), self._loop)
+        outs = await asyncio.wrap_future(fut)
+        return outs if batched else outs[0]
+
+    def _normalize(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                   top_logprobs_num, stream) -> tuple[list[ReqInput], bool]:
+        """The arguments as a GenerateInput, normalized as every entry point does (a
+        RequestError, which is a ValueError, naming the field)."""
+        if prompt is not None and input_ids is not None:
+            raise RequestError("prompt", "give exactly one of prompt or input_ids")
+        inp = GenerateInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, stream=stream,
+        )
+        try:
+            norm = inp.normalize(self.tokenizer_manager.limits)
+        except RequestError as e:
+            raise _engine_error(e) from None
+        if stream and (norm.batched or len(norm.reqs) != 1):
+            raise RequestError("stream", "streaming takes a single prompt with n = 1")
+        return norm.reqs, norm.batched
+
+    async def _generate_all(self, inputs: list[ReqInput]) -> list[dict]:
+        tm = self.tokenizer_manager
+        states = await asyncio.gather(*(tm.generate_one(i) for i in inputs), return_exceptions=True)
+        for s in states:
+            if isinstance(s, BaseException):
+                raise _engine_error(s) if isinstance(s, RequestError) else s
+        return [format_output(s, i.return_logprob) for s, i in zip(states, inputs)]
+
+    def _stream(self, inp: ReqInput) -> Iterator[dict]:
+        agen = self.tokenizer_manager.generate(inp)
+        sent_text, sent_ids = 0, 0
+        try:
+            while True:
+                try:
+                    state = self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                except RequestError as e:
+                    raise _engine_error(e) from None
+                chunk = format_output(state, inp.return_logprob)
+                chunk["text"] = state.text[sent_text:]
+                chunk["output_ids"] = state.output_ids[sent_ids:]
+                sent_text, sent_ids = len(state.text), len(state.output_ids)
+                yield chunk
+        finally:
+            self._call(agen.aclose())
+
+    async def _astream(self, inp: ReqInput):
+        it = self._stream(inp)
+        while True:
+            chunk = await asyncio.to_thread(next, it, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    # ------------------------------------------------------------------ control
+    def flush_cache(self) -> bool:
+        return self._call(self.tokenizer_manager.flush_cache()).success
+
+    def get_server_info(self) -> dict[str, Any]:
+        stats = self._call(self.tokenizer_manager.get_stats())
+        return {**self.model_info, **stats}
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        try:
+            self._call(self.tokenizer_manager.close(), timeout=5)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._children.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+
+def _engine_error(e: RequestError) -> RequestError:
+    """The Engine calls a text prompt `prompt` (normalize and the tokenizer say `text`)."""
+    if e.field == "text" or (e.field or "").startswith("text."):
+        return e.renamed("prompt" + e.field[4:])
+    return e

@@ -1,0 +1,63 @@
+"""N-gram (prompt-lookup) drafts for speculative decoding.
+
+A request's next tokens often copy a span of its own prompt or output (extraction, quoting,
+code edits). The proposer finds the latest earlier occurrence of the sequence's last n tokens
+(longest n first) and proposes the k tokens that followed it; the scheduler verifies them in
+one forward and keeps the prefix the model itself would have produced.
+
+The index is incremental: each request keeps a dict per n-gram size from the n-gram to the end
+of its latest occurrence that has a following token, so proposing costs O(new tokens) per step
+instead of a scan of the whole sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class NgramIndex:
+    """One request's n-grams (sizes min_n..max_n) -> end of their latest occurrence."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        assert 1 <= min_n <= max_n
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.indexed_end = 0  # n-grams ending at or before this (exclusive end) are indexed
+        self.acceptance = 1.0  # moving average of the accepted fraction of this one's drafts
+
+    def draft_len(self, k: int) -> int:
+        """Draft length for this request: k scaled by its recent acceptance (at least 1, so a
+        request whose drafts started matching again is noticed)."""
+        return max(1, math.ceil(k * self.acceptance))
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / proposed)
+
+    def _update(self, ids: list[int]) -> None:
+        # index the n-grams that end before the last token: each has a follower to propose,
+        # and the sequence's own suffix is never matched against itself
+        for end in range(self.indexed_end + 1, len(ids)):
+            for n, ends in self.ends.items():
+                if end >= n:
+                    ends[tuple(ids[end - n : end])] = end
+        self.indexed_end = max(self.indexed_end, len(ids) - 1)
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier match of ids' longest suffix n-gram."""
+        if k <= 0:
+            return []
+        self._update(ids)
+        for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
+            end = self.ends[n].get(tuple(ids[-n:]))
+            if end is not None:
+                return ids[end : end + k]
+        return []
+
+
+def accepted_prefix(draft: list[int], targets: list[int]) -> int:
+    """How many draft tokens the model agrees with: targets[i] is the model's token after the
+    sequence extended by draft[:i]."""
+    n = 0
+    while n < len(draft) and targets[n] == draft[n]:
+        n += 1
+    return n

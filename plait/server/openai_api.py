@@ -1,0 +1,586 @@
+"""OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
+
+Request bodies are pydantic models with extra="forbid" (an unknown field is a 400 naming it);
+each request becomes a GenerateInput, normalized like a /generate body (prompts x n outputs),
+and runs through the same plumbing (http_common).
+Beyond OpenAI's fields, the constraint fields regex / ebnf / json_schema / choices and a few
+SGLang sampling fields (top_k, min_p, ...) are accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+
+from plait.errors import RequestError
+from plait.io_struct import GenerateInput, ReqInput, ReqState
+from plait.sampling import SamplingParams
+from plait.server import http_common
+from plait.server.http_common import TokenTexts
+
+router = APIRouter(prefix="/v1")
+
+MAX_TOP_LOGPROBS = 20
+# SamplingParams' field names -> the OpenAI request's, for error messages.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+# ---------------------------------------------------------------------- request models
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Sampling(_Body):
+    """The fields completions and chat share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int | None = None  # plait: higher is served sooner (default: the API key's)
+    logit_bias: dict[str, float] | None = None
+    # SGLang / vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None
+    # constraints (plait.grammar)
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    choices: list[str] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: StrictBool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+def parse_body(cls: type[BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    except RecursionError:
+        raise RequestError("body", "nested too deeply") from None
+
+
+def _validation_error(e: ValidationError) -> RequestError:
+    errors = e.errors()
+    unknown = [".".join(map(str, err["loc"])) for err in errors if err["type"] == "extra_forbidden"]
+    if unknown:
+        return RequestError(unknown[0], f"unknown field{'s' if len(unknown) > 1 else ''}"
+                            + (f" (also {', '.join(unknown[1:])})" if len(unknown) > 1 else ""))
+    err = errors[0]
+    # drop pydantic's union-branch names ('str', 'list[int]') from the location
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPES))]
+    return RequestError(".".join(loc) or "body", err["msg"])
+
+
+_TYPES = {"str", "int", "float", "bool", "dict", "list", "function-after", "literal"}
+
+
+# ---------------------------------------------------------------------- conversion
+def check_model(request: Request, model: str | None) -> None:
+    names = request.app.state.model_names
+    if model is not None and model not in names:
+        raise RequestError(
+            "model", f"the model '{model}' does not exist (served: {names[0]})", 404
+        )
+
+
+def sampling_params(
+    req: _Sampling, max_tokens: int | None, constraint: dict[str, Any]
+) -> SamplingParams:
+    if req.logit_bias:
+        raise RequestError("logit_bias", "not supported by plait")
+    d: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "min_new_tokens": req.min_tokens,
+        "n": req.n,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "seed": req.seed,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+        "regex": req.regex,
+        "ebnf": req.ebnf,
+        "json_schema": req.json_schema,
+        "choices": req.choices,
+        **constraint,
+    }
+    try:
+        return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
+    except RequestError as e:
+        raise openai_error(e, "response_format" if constraint else None) from None
+
+
+def openai_error(e: RequestError, constraint_field: str | None = None) -> RequestError:
+    """Names SamplingParams' fields as the OpenAI request does (max_new_tokens -> max_tokens;
+    a constraint given as response_format -> response_format)."""
+    field = e.field
+    if field in OPENAI_NAMES:
+        return e.renamed(OPENAI_NAMES[field])
+    if constraint_field and field in ("json_schema", "json_object"):
+        return e.renamed(constraint_field)
+    return e
+
+
+def response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any]:
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise RequestError("response_format.json_schema.schema", "required for type json_schema")
+    return {"json_schema": fmt.json_schema.schema_}
+
+
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("messages", "the model has no chat template; use /v1/completions")
+    conversation = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if m.role == "developer" else m.role
+        conversation.append({"role": role, "content": content or ""})
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # jinja raises for conversations the template refuses
+        raise RequestError("messages", f"the chat template failed: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def normalize(
+    request: Request,
+    prompts: list[dict[str, Any]],
+    sp: SamplingParams,
+    req: _Sampling,
+    top_logprobs: int | None,
+    return_logprob: bool,
+) -> list[ReqInput]:
+    """The OpenAI request as a GenerateInput, normalized: prompt i, sample j -> choice
+    index i * n + j."""
+    key = "text" if "text" in prompts[0] else "input_ids"
+    values = [p[key] for p in prompts]
+    inp = GenerateInput(
+        **{key: values if len(values) > 1 else values[0]},
+        sampling_params=sp,
+        stream=req.stream,
+        return_logprob=return_logprob,
+        top_logprobs_num=top_logprobs,
+        priority=req.priority,
+    )
+    try:
+        reqs = http_common.normalize(request, inp).reqs
+    except RequestError as e:
+        raise _prompt_error(e) from None
+    return reqs
+
+
+def _prompt_error(e: RequestError) -> RequestError:
+    """normalize names a batch's prompts text.i / input_ids.i; OpenAI's field is `prompt`."""
+    if e.field and e.field.split(".")[0] in ("text", "input_ids"):
+        return e.renamed("prompt" + e.field[len(e.field.split(".")[0]) :])
+    return openai_error(e)
+
+
+async def run(request: Request, reqs: list[ReqInput], constraint_field: str | None = None):
+    try:
+        return await http_common.run_to_end(request, reqs)
+    except RequestError as e:
+        raise openai_error(e, constraint_field) from None
+
+
+def response_head(request: Request, id_prefix: str, obj: str) -> dict[str, Any]:
+    """The fields every OpenAI response (and each of its stream's chunks) starts with."""
+    return {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": obj,
+        "created": int(time.time()),
+        "model": request.app.state.model_name,
+    }
+
+
+def finish_reason(state: ReqState) -> str | None:
+    reason = state.finished_reason
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(reason.get("type"), reason.get("type"))
+
+
+def usage(states: list[ReqState], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per sample), as OpenAI counts them."""
+    firsts = states[::n]
+    prompt = sum(s.meta.get("prompt_tokens", s.prompt_tokens) for s in firsts)
+    cached = sum(
+        min(s.meta.get("cached_tokens", 0) for s in states[i : i + n])
+        for i in range(0, len(states), n)
+    )
+    completion = sum(s.meta.get("completion_tokens", len(s.output_ids)) for s in states)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+# ---------------------------------------------------------------------- logprobs
+def completion_logprobs(
+    state: ReqState, start: int, end: int, texts: TokenTexts, text_offset: int
+) -> dict[str, Any]:
+    """OpenAI's legacy logprobs object for output tokens [start, end)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    rows = state.output_top_logprobs
+    for k in range(start, end):
+        lp, tok = state.output_token_logprobs[k]
+        text = texts(tok)
+        tokens.append(text)
+        token_logprobs.append(lp)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if k < len(rows) and rows[k]:
+            tops.append({texts(t): v for v, t in rows[k]})
+        else:
+            tops.append(None)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(state: ReqState, start: int, end: int, texts: TokenTexts) -> dict[str, Any]:
+    content = []
+    rows = state.output_top_logprobs
+    for k in range(start, end):
+        lp, tok = state.output_token_logprobs[k]
+        text = texts(tok)
+        top = rows[k] if k < len(rows) and rows[k] else []
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": texts(t), "logprob": v, "bytes": list(texts(t).encode())}
+                    for v, t in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+# ---------------------------------------------------------------------- endpoints
+@router.get("/models")
+async def list_models(request: Request) -> Response:
+    state = request.app.state
+    tm = state.tokenizer_manager
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": int(state.start_time),
+                    "owned_by": "plait",
+                    "root": tm.model_info["model_path"],
+                    "max_model_len": tm.context_length,
+                }
+            ],
+        }
+    )
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    req: CompletionRequest = parse_body(CompletionRequest, await http_common.read_json(request))
+    check_model(request, req.model)
+    if req.best_of not in (None, 1):
+        raise RequestError("best_of", "only 1 is supported")
+    if req.suffix:
+        raise RequestError("suffix", "not supported by plait")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+    if req.echo and req.stream:
+        raise RequestError("echo", "not supported with stream")
+    prompts = _completion_prompts(req.prompt)
+    sp = sampling_params(req, req.max_tokens, {})
+    inputs = normalize(request, prompts, sp, req, req.logprobs, req.logprobs is not None)
+    tm = http_common.tokenizer_manager(request)
+    texts = TokenTexts(tm.tokenizer)
+    head = response_head(request, "cmpl", "text_completion")
+    if req.stream:
+        return await stream_response(
+            request,
+            inputs,
+            head,
+            _completion_chunks(req, texts),
+            usage_n=req.n if _include_usage(req) else None,
+        )
+    states = await run(request, inputs)
+    choices = []
+    for i, s in enumerate(states):
+        prefix = _prompt_text(tm.tokenizer, prompts[i // req.n]) if req.echo else ""
+        choices.append(
+            {
+                "index": i,
+                "text": prefix + s.text,
+                "logprobs": None
+                if req.logprobs is None
+                else completion_logprobs(s, 0, len(s.output_token_logprobs), texts, len(prefix)),
+                "finish_reason": finish_reason(s),
+            }
+        )
+    return JSONResponse({**head, "choices": choices, "usage": usage(states, req.n)})
+
+
+def _completion_prompts(prompt: Any) -> list[dict[str, Any]]:
+    if isinstance(prompt, str):
+        return [{"text": prompt}]
+    if not prompt:
+        raise RequestError("prompt", "must not be empty")
+    if isinstance(prompt[0], int):
+        return [{"input_ids": prompt}]
+    if isinstance(prompt[0], str):
+        return [{"text": p} for p in prompt]
+    return [{"input_ids": p} for p in prompt]
+
+
+def _prompt_text(tokenizer, prompt: dict[str, Any]) -> str:
+    return prompt["text"] if "text" in prompt else tokenizer.decode(prompt["input_ids"])
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    body = await http_common.read_json(request)
+    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+    check_model(request, req.model)
+    if req.tools:
+        raise RequestError("tools", "tool calling is not supported by plait")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise RequestError("top_logprobs", "requires logprobs to be true")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+    tm = http_common.tokenizer_manager(request)
+    chars = sum(len(m.content or "") if isinstance(m.content, str) else
+                sum(len(p.text) for p in m.content or []) for m in req.messages)
+    if chars > tm.limits.max_prompt_chars:
+        raise RequestError(
+            "messages", f"{chars} characters, over the limit of {tm.limits.max_prompt_chars} "
+            "(--max-prompt-chars; by default derived from the context length)",
+        )
+    # rendering and tokenizing a long conversation takes a while: off the event loop
+    ids = await asyncio.to_thread(chat_prompt_ids, tm.tokenizer, req.messages)
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    if max_tokens is None:  # as much as the context leaves
+        max_tokens = max(0, tm.context_length - len(ids))
+    sp = sampling_params(req, max_tokens, response_format_constraint(req.response_format))
+    fmt = req.response_format
+    constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None
+    inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs)
+    texts = TokenTexts(tm.tokenizer)
+    head = response_head(request, "chatcmpl", "chat.completion")
+    if req.stream:
+        roles = [_chat_choice(i, {"role": "assistant", "content": ""}) for i in range(len(inputs))]
+        return await stream_response(
+            request,
+            inputs,
+            {**head, "object": "chat.completion.chunk"},
+            _chat_chunks(req, texts),
+            first_chunks=roles,
+            usage_n=req.n if _include_usage(req) else None,
+            constraint_field=constraint_field,
+        )
+    states = await run(request, inputs, constraint_field)
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": s.text},
+            "logprobs": chat_logprobs(s, 0, len(s.output_token_logprobs), texts)
+            if req.logprobs
+            else None,
+            "finish_reason": finish_reason(s),
+        }
+        for i, s in enumerate(states)
+    ]
+    return JSONResponse({**head, "choices": choices, "usage": usage(states, req.n)})
+
+
+# ---------------------------------------------------------------------- streaming
+@dataclasses.dataclass
+class Delta:
+    """What one choice produced since its previous chunk."""
+
+    index: int
+    state: ReqState
+    text: str
+    text_offset: int  # where `text` starts in the choice's whole text
+    tokens: tuple[int, int]  # [start, end) of its new output tokens (for logprobs)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return finish_reason(self.state)
+
+
+async def stream_response(
+    request: Request,
+    inputs: list[ReqInput],
+    head: dict[str, Any],
+    render: Callable[[Delta], list[dict]],
+    first_chunks: list[dict] | None = None,
+    usage_n: int | None = None,
+    constraint_field: str | None = None,
+) -> Response:
+    """SSE response of OpenAI chunks: `render` turns each Delta into chunk bodies (without
+    the shared `head` fields); with usage_n (= n) a last chunk carries the usage."""
+    usage_field = {"usage": None} if usage_n is not None else {}
+
+    async def chunks(outputs: AsyncIterator[tuple[int, ReqState]]) -> AsyncIterator[dict]:
+        finals: dict[int, ReqState] = {}
+        for body in first_chunks or []:
+            yield {**head, **body, **usage_field}
+        async for delta in _deltas(outputs, len(inputs)):
+            for body in render(delta):
+                yield {**head, **body, **usage_field}
+            if delta.state.finished_reason is not None:
+                finals[delta.index] = delta.state
+        if usage_n is not None:
+            states = [finals[i] for i in sorted(finals)]
+            yield {**head, "choices": [], "usage": usage(states, usage_n)}
+
+    return await http_common.sse_response(
+        request, inputs, chunks, lambda e: openai_error(e, constraint_field)
+    )
+
+
+async def _deltas(
+    outputs: AsyncIterator[tuple[int, ReqState]], num_choices: int
+) -> AsyncIterator[Delta]:
+    sent_text, sent_tokens = [0] * num_choices, [0] * num_choices
+    async for i, state in outputs:
+        end = len(state.output_token_logprobs)
+        yield Delta(i, state, state.text[sent_text[i] :], sent_text[i], (sent_tokens[i], end))
+        sent_text[i], sent_tokens[i] = len(state.text), end
+
+
+def _completion_chunks(req: CompletionRequest, texts: TokenTexts) -> Callable[[Delta], list[dict]]:
+    def render(d: Delta) -> list[dict]:
+        if not (d.text or d.finish_reason or d.tokens[1] > d.tokens[0]):
+            return []
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(d.state, *d.tokens, texts, d.text_offset)
+        choice = {
+            "index": d.index,
+            "text": d.text,
+            "logprobs": logprobs,
+            "finish_reason": d.finish_reason,
+        }
+        return [{"choices": [choice]}]
+
+    return render
+
+
+def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts) -> Callable[[Delta], list[dict]]:
+    def render(d: Delta) -> list[dict]:
+        chunks = []
+        if d.text or d.tokens[1] > d.tokens[0]:
+            logprobs = chat_logprobs(d.state, *d.tokens, texts) if req.logprobs else None
+            chunks.append(_chat_choice(d.index, {"content": d.text}, logprobs=logprobs))
+        if d.finish_reason is not None:
+            chunks.append(_chat_choice(d.index, {}, d.finish_reason))
+        return chunks
+
+    return render
+
+
+def _chat_choice(index: int, delta: dict, reason: str | None = None, logprobs: Any = None) -> dict:
+    return {
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]
+    }
+
+
+def _include_usage(req: _Sampling) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)

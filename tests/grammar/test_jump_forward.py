@@ -1,0 +1,92 @@
+"""Jump-forward on real xgrammar and the tiny tokenizer: the forced text's own tokenization must
+not end at a boundary the model would not choose, and --disable-jump-forward forces nothing.
+
+Found on SmolLM2 (benchmarks/quality.py): after `"amount": 249` the grammar forces
+`, "items": [`; tokenized alone its last token is ` [`, so the model never got to pick ` ["`
+(its greedy choice, and vLLM's, which has no jump-forward) and wrote a different list."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.args import ServerArgs
+from plait.runtime.constraints import ConstraintTracker
+from plait.runtime.core import Req
+from plait.sampling import SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["n", "tags"],
+    "additionalProperties": False,
+}
+
+
+def tracker(tokenizer, vocab_size, eos_ids, **args) -> ConstraintTracker:
+    return ConstraintTracker(
+        ServerArgs.from_kwargs(model_path="unused", **args), tokenizer, vocab_size, tuple(eos_ids)
+    )
+
+
+def request(backends, schema, text_so_far, tokenizer) -> Req:
+    req = Req("r", [1], SamplingParams(max_new_tokens=200))
+    req.grammar = backends["xgrammar"].compile("json_schema", json.dumps(schema)).matcher()
+    for tok in tokenizer.encode(text_so_far, add_special_tokens=False):
+        assert req.grammar.accept_token(tok)
+    return req
+
+
+def decode(tokenizer, ids):
+    return [tokenizer.decode([t]) for t in ids]
+
+
+def test_forced_text_leaves_the_boundary_token_to_the_model(tokenizer, vocab_size, eos_ids, backends):
+    assert tokenizer.encode(' ["', add_special_tokens=False) == [tokenizer.convert_tokens_to_ids('Ġ["')]
+    t = tracker(tokenizer, vocab_size, eos_ids)
+    req = request(backends, SCHEMA, '{"n": 5', tokenizer)
+    forced_text = req.grammar.find_jump_forward_string()
+    assert forced_text == ""  # a digit may follow
+    assert req.grammar.accept_token(tokenizer.encode(",", add_special_tokens=False)[0])
+    assert req.grammar.find_jump_forward_string() == ' "tags": ['
+    ids = t.jump_forward(req, limit=100)
+    # ` [` is held back: ` ["` (and ` []`) are allowed and start with its text
+    assert "".join(decode(tokenizer, ids)) == ' "tags":'
+    # the matcher is unchanged, and what was held back is still allowed next
+    for tok in ids:
+        assert req.grammar.accept_token(tok)
+    assert req.grammar.accept_token(tokenizer.encode(' ["', add_special_tokens=False)[0])
+
+
+def test_forced_text_kept_whole_where_nothing_longer_fits(tokenizer, vocab_size, eos_ids, backends):
+    t = tracker(tokenizer, vocab_size, eos_ids)
+    schema = {"type": "object", "properties": {"a": {"const": "xyz"}}, "required": ["a"],
+              "additionalProperties": False}
+    req = request(backends, schema, "", tokenizer)
+    ids = t.jump_forward(req, limit=100)
+    # `}` ends the value (only EOS may follow), so no token longer than `}` can be taken there
+    assert tokenizer.decode(ids) == '{"a": "xyz"}'
+
+
+def test_disable_jump_forward_forces_nothing(tokenizer, vocab_size, eos_ids, backends):
+    t = tracker(tokenizer, vocab_size, eos_ids, disable_jump_forward=True)
+    req = request(backends, SCHEMA, "", tokenizer)
+    assert req.grammar.find_jump_forward_string()  # `{"n": ` is forced text
+    assert t.jump_forward(req, limit=100) == []
+
+
+@pytest.mark.parametrize("any_whitespace", [False, True])
+def test_whitespace_option_reaches_the_grammar(tokenizer, vocab_size, eos_ids, any_whitespace):
+    from plait.grammar.manager import GrammarManager
+
+    t = tracker(tokenizer, vocab_size, eos_ids, grammar_any_whitespace=any_whitespace)
+    try:
+        matcher = t.manager.submit("json_schema", json.dumps(SCHEMA)).result(timeout=60).matcher()
+    finally:
+        if t._manager is not None:
+            t.shutdown()
+    assert isinstance(t._manager, GrammarManager)
+    newline = tokenizer.encode("{\n", add_special_tokens=False)
+    accepted = all(matcher.accept_token(tok) for tok in newline)
+    assert accepted == any_whitespace

@@ -1,0 +1,175 @@
+"""N-gram speculative decoding (--speculative-ngram): the proposer, and greedy output that is
+token-identical with and without speculation (stop tokens, stop strings and max_new_tokens
+falling inside accepted drafts, mixed batches with sampled, constrained and logprob requests),
+KV accounting after every step, and parity with transformers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from plait.messages import BatchTokenOut, RequestErrorOut, TokenizedGenerateReq
+from plait.runtime.ngram import NgramIndex, accepted_prefix
+from tests.runtime.test_parity import hf_reference
+from tests.runtime.test_scheduler import drain
+
+K = 4
+
+
+def test_ngram_index_proposes_after_the_latest_longest_match():
+    idx = NgramIndex(1, 3)
+    ids = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # suffix (5, 2, 3) never occurred; (2, 3) last occurred at 6..7, followed by 7, 8, 5, ...
+    assert idx.propose(ids, 3) == [7, 8, 5]
+    ids += [7]  # incremental: (2, 3, 7) now matches its occurrence at 6..8
+    assert idx.propose(ids, 5) == [8, 5, 2, 3, 7]
+    assert idx.propose([4, 5, 6], 3) == []  # (fresh index) nothing repeats
+    assert NgramIndex(2, 3).propose([1, 2, 1], 2) == []  # 1-grams below min_n
+    assert NgramIndex(1, 3).propose([1, 2, 1], 2) == [2, 1]
+    assert NgramIndex(1, 1).propose([4, 4, 4], 5) == [4]  # never past the sequence's end
+
+
+def test_accepted_prefix():
+    assert accepted_prefix([5, 6, 7], [5, 6, 8, 1]) == 2
+    assert accepted_prefix([5, 6], [5, 6, 3]) == 2
+    assert accepted_prefix([5], [4, 5]) == 0
+    assert accepted_prefix([5], [-1, 5]) == 0  # an error row never agrees
+
+
+def repetitive_prompts(n: int, seed: int = 1) -> list[list[int]]:
+    """Prompts of repeated spans: the tiny random model then repeats itself, so drafts from
+    the prompt and its own output get accepted."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        span = [rng.randrange(5, 8000) for _ in range(3 + i % 5)]
+        out.append([rng.randrange(5, 8000) for _ in range(i % 3)] + span * (24 // len(span)))
+    return out
+
+
+def run(make_scheduler, k: int, reqs: list[dict], **server) -> tuple[dict, dict, dict]:
+    """Runs reqs (rid, input_ids, sampling_params[, return_logprob]) to completion; returns
+    ({rid: output ids}, {rid: (finish reason, meta extras, logprobs)}, counters)."""
+    s, io = make_scheduler(speculative_ngram=k, **server)
+    for r in reqs:
+        io.inbox.put(TokenizedGenerateReq(**r))
+    drain(s, max_steps=2000)
+    assert s.runner.kv_pool.free_size + s.kv.cache.total_size() == s.runner.kv_pool.size
+    ids: dict[str, list[int]] = {}
+    info: dict[str, tuple] = {}
+    for msg in io.outbox:
+        assert not isinstance(msg, RequestErrorOut), msg
+        if isinstance(msg, BatchTokenOut):
+            for i, rid in enumerate(msg.rids):
+                ids.setdefault(rid, []).extend(msg.new_token_ids[i])
+                lps = info.get(rid, (None, None, []))[2] + [lp for lp, _ in msg.output_token_logprobs[i]]
+                info[rid] = (msg.finished_reasons[i], msg.extra_meta[i], lps)
+    return ids, info, s.counters
+
+
+def greedy(rid: str, ids: list[int], **sp) -> dict:
+    return {"rid": rid, "input_ids": ids,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 40, **sp}}
+
+
+def assert_same(make_scheduler, reqs: list[dict], **server) -> dict:
+    base, base_info, _ = run(make_scheduler, 0, reqs, **server)
+    spec, spec_info, counters = run(make_scheduler, K, reqs, **server)
+    for r in reqs:
+        rid = r["rid"]
+        assert spec[rid] == base[rid], f"{rid}: output differs with speculation"
+        assert spec_info[rid][0] == base_info[rid][0], f"{rid}: finish reason differs"
+    accepted = sum(m.get("spec_accepted_tokens", 0) for _, m, _ in spec_info.values())
+    assert accepted == counters["spec_accepted_tokens"] > 0, "no draft was accepted"
+    return {"base": base, "spec": spec, "base_info": base_info, "spec_info": spec_info,
+            "counters": counters}
+
+
+def test_greedy_output_is_identical_and_drafts_are_accepted(make_scheduler):
+    prompts = repetitive_prompts(8)
+    res = assert_same(make_scheduler, [greedy(f"g{i}", p) for i, p in enumerate(prompts)])
+    c = res["counters"]
+    # fewer forwards than output tokens: drafts stood in for decode steps
+    out = sum(len(v) for v in res["spec"].values())
+    assert c["spec_forwards"] + c["decode_forwards"] < out - len(prompts)
+
+
+def test_length_and_stop_tokens_inside_drafts(make_scheduler):
+    """max_new_tokens = every length, and a stop token at every output position: whichever
+    positions the accepted drafts covered, each boundary is somewhere inside one."""
+    prompts = repetitive_prompts(3)
+    base, _, _ = run(make_scheduler, 0, [greedy(f"g{i}", p, max_new_tokens=24)
+                                         for i, p in enumerate(prompts)])
+    reqs = []
+    for i, p in enumerate(prompts):
+        out = base[f"g{i}"]
+        reqs += [greedy(f"len{i}-{n}", p, max_new_tokens=n) for n in range(1, 25)]
+        reqs += [greedy(f"stop{i}-{j}", p, max_new_tokens=24, stop_token_ids=[t])
+                 for j, t in enumerate(dict.fromkeys(out))]
+    res = assert_same(make_scheduler, reqs)
+    for i in range(len(prompts)):
+        for n in range(1, 25):
+            assert res["spec"][f"len{i}-{n}"] == base[f"g{i}"][:n]
+
+
+def test_eos_and_stop_strings_inside_drafts(make_scheduler, tiny_llama):
+    from plait.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    prompts = repetitive_prompts(3, seed=2)
+    base, _, _ = run(make_scheduler, 0, [greedy(f"g{i}", p, max_new_tokens=24)
+                                         for i, p in enumerate(prompts)])
+    reqs = []
+    for i, p in enumerate(prompts):
+        out = base[f"g{i}"]
+        texts = {tok.decode([t], skip_special_tokens=False) for t in out}
+        reqs += [greedy(f"str{i}-{j}", p, max_new_tokens=24, stop=[s])
+                 for j, s in enumerate(sorted(t for t in texts if t.strip()))]
+        # ignore_eos off: a request whose own output token is an EOS id stops inside a draft
+        reqs += [greedy(f"min{i}", p, max_new_tokens=24, min_new_tokens=3,
+                        stop_token_ids=[out[1]])]
+    res = assert_same(make_scheduler, reqs)
+    stopped = [r for r, (reason, _, _) in res["spec_info"].items() if reason["type"] == "stop"]
+    assert stopped
+
+
+def test_mixed_batch_sampled_constrained_and_logprobs(make_scheduler):
+    """Speculating greedy requests beside seeded sampled ones, a JSON-constrained one and a
+    penalized one (none of which speculate) and logprob requests (which do): all unchanged."""
+    prompts = repetitive_prompts(6, seed=3)
+    reqs = [greedy(f"g{i}", p) for i, p in enumerate(prompts[:3])]
+    reqs.append({**greedy("lp", prompts[3]), "return_logprob": True})
+    reqs.append(greedy("seeded", prompts[4], temperature=0.8, seed=7))
+    reqs.append(greedy("pen", prompts[5], repetition_penalty=1.3))
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    reqs.append(greedy("json", prompts[0], json_schema=schema, max_new_tokens=16))
+    res = assert_same(make_scheduler, reqs)
+    base_lp, spec_lp = res["base_info"]["lp"][2], res["spec_info"]["lp"][2]
+    assert len(spec_lp) == len(res["spec"]["lp"])
+    assert max(abs(a - b) for a, b in zip(base_lp, spec_lp)) < 1e-4
+    for rid in ("seeded", "pen", "json"):  # never speculated
+        assert "spec_accepted_tokens" not in res["spec_info"][rid][1]
+
+
+def test_drafts_under_memory_pressure(make_scheduler):
+    """A small pool: drafts get only the slots left after one per request, requests are
+    retracted and recomputed; outputs stay the same and the pool accounts to the slot."""
+    prompts = repetitive_prompts(8, seed=4)
+    res = assert_same(make_scheduler, [greedy(f"g{i}", p, max_new_tokens=48)
+                                       for i, p in enumerate(prompts)], max_total_tokens=300)
+    assert res["counters"]["retractions"] > 0
+
+
+@pytest.mark.model
+def test_matches_transformers(make_scheduler, tiny_llama):
+    prompts = repetitive_prompts(4, seed=5)
+    ref = hf_reference(tiny_llama, prompts, 24)
+    reqs = [{**greedy(f"g{i}", p, max_new_tokens=24), "return_logprob": True}
+            for i, p in enumerate(prompts)]
+    ids, info, counters = run(make_scheduler, K, reqs)
+    assert counters["spec_accepted_tokens"] > 0
+    for i, (ref_ids, ref_lps) in enumerate(ref):
+        assert ids[f"g{i}"] == ref_ids, f"prompt {i}: tokens differ from transformers"
+        got = info[f"g{i}"][2]
+        assert max(abs(a - b) for a, b in zip(got, ref_lps)) < 1e-4

@@ -1,0 +1,193 @@
+"""The `plait` command: serve's flags, start-up and SIGINT shutdown, generate; ServerProcess."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from plait.args import ServerArgs
+from plait.cli import build_parser
+from plait.launch import ServerProcess, cli_flags, free_port
+
+PLAIT = [sys.executable, "-m", "plait"]
+
+
+def test_serve_help_documents_every_server_arg():
+    out = subprocess.run(
+        [*PLAIT, "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    flat = "".join(out.split())  # argparse wraps lines (also at hyphens)
+    for f in dataclasses.fields(ServerArgs):
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        assert flag in out, flag
+        assert "".join(f.metadata["help"].split()) in flat, f.name
+
+
+def test_server_args_round_trip_through_cli_flags(monkeypatch):
+    monkeypatch.setenv("PLAIT_API_KEY", "k")  # the key travels in the environment, not argv
+    args = ServerArgs(
+        model_path="/m",
+        port=1234,
+        api_key="k",
+        disable_radix_cache=True,
+        schedule_policy="fcfs",
+        mem_fraction_static=0.5,
+        max_queued_requests=7,
+    )
+    flags = cli_flags(args)
+    assert "k" not in flags
+    ns = build_parser().parse_args(["serve", *flags])
+    assert ServerArgs.from_cli_args(ns) == args
+
+
+def test_bad_flag_values_fail_fast():
+    run = subprocess.run(
+        [*PLAIT, "serve", "--schedule-policy", "random"], capture_output=True, text=True
+    )
+    assert run.returncode == 2 and "schedule-policy" in run.stderr
+    run = subprocess.run(
+        [*PLAIT, "serve", "--max-running-requests", "0"], capture_output=True, text=True
+    )
+    assert run.returncode == 2 and "max_running_requests" in run.stderr
+
+
+def test_serve_on_a_busy_port_fails_before_loading(tiny_llama):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        start = time.monotonic()
+        run = subprocess.run(
+            [*PLAIT, "serve", "--model", tiny_llama, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert run.returncode != 0 and "cannot bind" in run.stderr
+    assert time.monotonic() - start < 20
+
+
+def test_server_process_rejects_unknown_args_before_starting():
+    with pytest.raises(TypeError, match="max_runing_requests"):
+        ServerProcess(max_runing_requests=3)
+
+
+@pytest.mark.model
+def test_serve_prints_url_and_sigint_stops_everything(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            *PLAIT,
+            "serve",
+            "--model",
+            tiny_llama,
+            "--port",
+            str(port),
+            "--max-total-tokens",
+            "8192",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert proc.stdout.readline().strip() == f"plait server ready at {url}"
+        pids = httpx.get(url + "/get_server_info").json()["child_pids"]
+        received = []
+
+        def stream():  # in flight when the signal arrives
+            body = {
+                "text": "interrupted",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            }
+            try:
+                with httpx.stream("POST", url + "/generate", json=body, timeout=60) as resp:
+                    received.extend(line for line in resp.iter_lines() if line)
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        time.sleep(1.0)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        assert time.monotonic() - start < 15
+        t.join(10)
+        # the stream was running; past the grace period it ends with an error event
+        assert received[-1] == "data: [DONE]"
+        assert '"service_unavailable"' in received[-2] and "shutting down" in received[-2]
+        for pid in pids.values():
+            with pytest.raises(ProcessLookupError):
+                _wait_gone(pid)
+        with socket.socket() as s:  # a new server can bind the port (as uvicorn does)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> None:
+    """Raises ProcessLookupError once pid is gone (or a zombie); returns if it stays alive."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ")[1][0] == "Z":
+                raise ProcessLookupError(pid)
+        time.sleep(0.1)
+
+
+def test_generate_prints_the_engines_text(tiny_llama, http):
+    prompt = "The capital of France is"
+    run = subprocess.run(
+        [
+            *PLAIT,
+            "generate",
+            "--model",
+            tiny_llama,
+            "--raw",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--max-total-tokens",
+            "4096",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    expected = http.post(
+        "/generate",
+        json={"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+    ).json()["text"]
+    assert run.stdout == expected + "\n"
+
+
+def test_generate_rejects_bad_sampling_before_starting():
+    run = subprocess.run(
+        [*PLAIT, "generate", "--prompt", "x", "--temperature", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "temperature" in run.stderr

@@ -1,0 +1,272 @@
+"""The OpenAI-compatible API, driven by the official `openai` client against a real server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import openai
+import pytest
+
+from tests.server.server_utils import MODEL_NAME
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def stream_text(chunks, n: int = 1) -> tuple[list[str], list[str | None], dict | None]:
+    texts, reasons, usage = [""] * n, [None] * n, None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            texts[choice.index] += piece or ""
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    return texts, reasons, usage
+
+
+def test_models(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=0)
+    assert r.object == "chat.completion" and r.model == MODEL_NAME and r.id.startswith("chatcmpl-")
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 8
+    assert r.usage.prompt_tokens > 10  # the chat template wraps the messages
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_template_is_the_tokenizers(client, server):
+    """The prompt is tokenizer.apply_chat_template(messages, add_generation_prompt=True)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.args.model_path)
+    text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1)
+    assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+
+
+def test_text_completion(client):
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=0
+    )
+    assert r.object == "text_completion"
+    assert r.choices[0].text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+
+
+def test_max_completion_tokens_wins(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=9,
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_stream_matches_non_stream(client, endpoint):
+    kwargs = dict(model=MODEL_NAME, max_tokens=12, temperature=0.9, seed=7)
+    create = client.chat.completions.create if endpoint == "chat" else client.completions.create
+    kwargs.update(messages=CHAT) if endpoint == "chat" else kwargs.update(prompt="The weather is")
+    full = create(**kwargs)
+    expected = full.choices[0].message.content if endpoint == "chat" else full.choices[0].text
+    texts, reasons, usage = stream_text(
+        create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert texts == [expected]
+    assert reasons == [full.choices[0].finish_reason]
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_stream_without_usage_has_no_usage_chunk(client):
+    chunks = list(
+        client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=3, stream=True)
+    )
+    assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+
+
+def test_n3(client):
+    kwargs = dict(model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=1.0, seed=3, n=3)
+    r = client.chat.completions.create(**kwargs)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # seeds 3, 4, 5
+    assert 3 <= r.usage.completion_tokens <= 24
+    streamed, _, _ = stream_text(client.chat.completions.create(**kwargs, stream=True), n=3)
+    assert streamed == texts
+    # prompt tokens count once, not once per sample
+    single = client.chat.completions.create(**{**kwargs, "n": 1})
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens
+    assert texts[0] == single.choices[0].message.content
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="Logprobs please", max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 1 <= len(top) <= 3
+        # greedy: the chosen token is the most likely one
+        assert math.isclose(max(top.values()), logprob, abs_tol=1e-4)
+        assert top.get(token) == pytest.approx(logprob, abs=1e-4)
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode())
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
+
+
+def test_streamed_logprobs_match(client):
+    kwargs = dict(
+        model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    full = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [
+        t
+        for c in client.chat.completions.create(**kwargs, stream=True)
+        for ch in c.choices
+        if ch.logprobs
+        for t in ch.logprobs.content
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in full]
+    full = client.completions.create(
+        model=MODEL_NAME, prompt="abc", max_tokens=5, temperature=0, logprobs=1
+    ).choices[0]
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=MODEL_NAME, prompt="abc", max_tokens=5, temperature=0, logprobs=1, stream=True
+        )
+    ]
+    assert sum((c.logprobs.tokens for c in chunks if c.logprobs), []) == full.logprobs.tokens
+    offsets = sum((c.logprobs.text_offset for c in chunks if c.logprobs), [])
+    assert offsets == full.logprobs.text_offset
+
+
+def test_stop_string(client):
+    base = dict(model=MODEL_NAME, prompt="Count: one two three", temperature=0)
+    text = client.completions.create(**base, max_tokens=12).choices[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    r = client.completions.create(**base, max_tokens=12, stop=[stop, "\u2603never"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.index(stop)]
+
+
+def test_usage_reports_cached_tokens_of_a_repeated_prefix(client):
+    prefix = "A long shared instruction that every request repeats. " * 8
+    first = client.completions.create(model=MODEL_NAME, prompt=prefix + "Q1", max_tokens=2)
+    second = client.completions.create(model=MODEL_NAME, prompt=prefix + "Q2", max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens // 2
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= second.usage.prompt_tokens - 4  # all but the differing tail
+
+
+def test_batch_of_prompts(client):
+    r = client.completions.create(
+        model=MODEL_NAME, prompt=["one", "two"], max_tokens=3, temperature=0, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text  # greedy: samples of one prompt agree
+    alone = client.completions.create(model=MODEL_NAME, prompt="two", max_tokens=3, temperature=0)
+    assert r.choices[2].text == alone.choices[0].text
+
+
+def test_token_id_prompt_and_echo(client):
+    r = client.completions.create(
+        model=MODEL_NAME, prompt=[1000, 2000], max_tokens=3, temperature=0
+    )
+    assert r.usage.prompt_tokens == 2
+    echoed = client.completions.create(
+        model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0, echo=True
+    )
+    plain = client.completions.create(
+        model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0
+    )
+    assert echoed.choices[0].text == "Echo me" + plain.choices[0].text
+
+
+def test_user_and_penalties_accepted(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=4,
+        user="u-1",
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        top_p=0.9,
+    )
+    assert r.choices[0].message.content is not None
+
+
+def test_openai_client_errors(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=-1)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=10**6)
+    assert e.value.param == "max_tokens"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema(client):
+    pytest.importorskip("plait.grammar.manager", reason="the grammar layer is not in this tree yet")
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
+    }
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=64, temperature=0, response_format=fmt
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="Pick:", max_tokens=8, extra_body={"choices": ["red", "green"]}
+    )
+    assert r.choices[0].text in ("red", "green")
+
+
+def test_invalid_constraint_is_a_400(client):
+    pytest.importorskip("plait.grammar.manager", reason="the grammar layer is not in this tree yet")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=4, extra_body={"regex": "(unclosed"}
+        )
+    assert client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices
