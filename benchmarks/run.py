@@ -65,6 +65,10 @@ SUITES = ("engine", "json", "tree", "serving", "programs", "profile")
 OFFLINE = {"engine": ("judge", "decode"), "json": ("json",), "tree": ("tree",)}
 REF = "plait (radix cache on)"
 PLAIT_ENGINES = (REF, "plait (radix cache off)")
+
+
+def quantized_name(q: str) -> str:
+    return f"plait ({q} weights, radix cache on)"
 CHECKPOINTS = ("plait-tiny", "bench-large")
 DEFAULT_MODELS = (*CHECKPOINTS, "smollm2")  # smollm2: the real model (plait.models.named)
 PLAIT_KV_TOKENS = 131072
@@ -193,11 +197,14 @@ def setup_peers(venv: Path) -> float | None:
 
 
 # ----------------------------------------------------------------------------- offline suites
-def local_engines(model: str, which: set[str]) -> list:
+def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = ()) -> list:
     from benchmarks import engine as be
 
     engines: list = []
     if "plait" in which:
+        for q in quantizations:  # weight-only quantized decoder linears (--quantization)
+            engines.append(be.PlaitEngine(quantized_name(q), model, max_total_tokens=PLAIT_KV_TOKENS,
+                                          log_level="warning", quantization=q))
         engines.append(
             be.PlaitEngine(REF, model, max_total_tokens=PLAIT_KV_TOKENS, log_level="warning")
         )
@@ -411,7 +418,7 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
     engines: list = []
     worker = None
     try:
-        engines = local_engines(model, args.engine_set)
+        engines = local_engines(model, args.engine_set, args.plait_quantization)
         if "vllm" in args.engine_set and meta.get("vllm_setup_s") is not None:
             log(f"{model_name}: starting the vLLM worker (two engines)")
             try:
@@ -776,6 +783,17 @@ def markdown(result: dict) -> str:
         for w, (p, name, b) in ratios(off["summary"]).items():
             lines.append(f"| {w} | {p:.2f} | {name} | {b:.2f} | **{p / b:.2f}x** |")
         lines.append("")
+        # plait with quantized weights against llama.cpp on the GGUF's own quantized file
+        pairs = [(w, n, r["req_s"], ln, lr["req_s"]) for w, rows in off["summary"].items()
+                 for n, r in rows.items() if n.startswith("plait (") and " weights" in n
+                 and "req_s" in r for ln, lr in rows.items()
+                 if ln.startswith("llama.cpp") and "F32" not in ln and "req_s" in lr]
+        if pairs:
+            lines += ["| workload | plait quantized | req/s | llama.cpp | req/s | ratio |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {w} | {n} | {a:.2f} | {ln} | {b:.2f} | **{a / b:.2f}x** |"
+                      for w, n, a, ln, b in pairs]
+            lines.append("")
     serving = result.get("serving", {})
     for model_name, s in serving.items():
         lines += [f"## Serving — {model_name}", ""]
@@ -831,7 +849,8 @@ def ratios(summary: dict) -> dict:
     out = {}
     for w, rows in summary.items():
         p = rows.get(REF, {}).get("req_s")
-        peers_ = {n: r["req_s"] for n, r in rows.items() if n not in PLAIT_ENGINES and "req_s" in r}
+        peers_ = {n: r["req_s"] for n, r in rows.items()
+                  if not n.startswith("plait") and "req_s" in r}
         if p and peers_:
             best = max(peers_, key=peers_.get)
             out[w] = (p, best, peers_[best])
@@ -900,6 +919,10 @@ def main(argv=None) -> int:
                     help="GGUF file for the llamacpp engine (repeat; same weights as the one "
                     "model in --models); default for smollm2: its Q4_1 file and a cached F32 "
                     "GGUF of the same weights")
+    ap.add_argument("--plait-quantization", default="",
+                    help="comma-separated int8,int4: also run plait with weight-only quantized "
+                    "linears (--quantization; int4 on smollm2 is its Q4_1 weights exactly), "
+                    "compared with llama.cpp on the quantized GGUF")
     ap.add_argument("--contention", action="store_true",
                     help="run benchmarks/contention.py (quiet vs contended) instead of suites")
     ap.add_argument("--competitor", choices=("matmul", "plait"), default="matmul")
@@ -920,6 +943,7 @@ def main(argv=None) -> int:
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.vllm_kv_gib = args.vllm_kv_gib or (1 if args.quick else 4)
     args.engine_set = set(args.engines.split(","))
+    args.plait_quantization = tuple(filter(None, args.plait_quantization.split(",")))
     LOGS.mkdir(parents=True, exist_ok=True)
     if args.contention:
         from benchmarks import contention
