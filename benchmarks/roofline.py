@@ -19,7 +19,8 @@
    named model: its Q4_1 file and the cached F32 GGUF of the same weights) at the same batches,
    measured the same way (prefill, then steps). llama.cpp's bound uses its own bytes: the GGUF
    file's size as the weights read per step and its KV precision (f16 beside quantized
-   weights, f32 beside F32 ones; benchmarks/peers.py).
+   weights, f32 beside F32 ones; benchmarks/peers.py); for a quantized file only the memory
+   bound is given (its integer dot products are not bounded by the fp32 GEMM peak).
 
 Writes benchmarks/results/roofline.json and prints a markdown table.
 """
@@ -179,8 +180,11 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
                                                tuple(batches)).items():
                 bound = step_bound(cfg, b, context, bandwidth, peak,
                                    weight_file_bytes=Path(g).stat().st_size, kv_elem=kv)
-                rows.append(_row(f"llama.cpp ({Path(g).name})", b, step, bound,
-                                 note=f"bound: GGUF file bytes as weights, KV {kv} B/elem"))
+                note = f"bound: GGUF file bytes as weights, KV {kv} B/elem"
+                if kv != F32:  # quantized dot products are not fp32 FLOPs: memory bound only
+                    bound.update(bound_s=bound["memory_bound_s"], bound_by="memory")
+                    note += "; quantized: memory bound only (no fp32 GEMM-peak bound)"
+                rows.append(_row(f"llama.cpp ({Path(g).name})", b, step, bound, note=note))
     return {"model": model, "context": context, "steps": steps, "repeats": repeats,
             "bandwidth_bytes_s": bandwidth, "gemm_flops": gemms, "gemm_peak_flops": peak,
             "threads": torch.get_num_threads(), "rows": rows}
