@@ -3,7 +3,22 @@ req->token table that maps (request slot, position) to a KV slot."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled buffer. On the CPU through calloc (numpy.zeros), whose fresh pages are zero
+    without being written: torch.zeros memsets them, which for SmolLM2's default 5.6 GB pool cost
+    2.2 s of every start and made all of it resident for a one-request `plait generate`. Zeros
+    rather than empty: kernels may read slots never written (the Triton attention kernel's
+    masked blocks), and garbage there can be NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVPool:
@@ -25,14 +40,8 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (size + 1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
-        # empty, not zeros: every slot is written before it is read, except the padding slot 0,
-        # which is zeroed. On the CPU this leaves the pages untouched until used: SmolLM2's
-        # default pool is 5.6 GB, and zero-filling it cost 2.2 s of every start and that much
-        # resident memory for a one-request `plait generate`.
-        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for buf in (*self.k_buffer, *self.v_buffer):
-            buf[0].zero_()
+        self.k_buffer = [_zeros(shape, dtype, self.device) for _ in range(num_layers)]
+        self.v_buffer = [_zeros(shape, dtype, self.device) for _ in range(num_layers)]
         self._free = torch.arange(1, size + 1, dtype=torch.int64)  # CPU free list
         self._num_free = size
 

@@ -11,6 +11,11 @@ import time
 import httpx
 import pytest
 import schemathesis
+
+# imported here, at module level: imported lazily inside the fixture (deep in pytest's stack),
+# CPython 3.11.7's compile() of one of its modules raised "AST constructor recursion depth
+# mismatch" (a CPython bug in the recursion accounting of the AST validator)
+import schemathesis.specs.openapi.schemas  # noqa: F401, E402
 from hypothesis import HealthCheck, settings
 
 from tests.server.server_utils import start_server
