@@ -3,7 +3,7 @@
 Small-batch decode reads every weight once per step and does little arithmetic on it, so its
 time is the weights' bytes over the memory bandwidth: int8 weights are a quarter of fp32's
 bytes, int4 an eighth. The GEMMs run in plait's own kernel (woq_cpu.cpp, AVX2 + FMA, built with
-torch's cpp_extension on first use and cached): weights are converted to fp32 in registers, the
+torch's cpp_extension on first use and cached per source version): weights are converted to fp32 in registers, the
 activations stay fp32. torch's own weight-only ops (`torch._weight_int8pack_mm`,
 `aten._weight_int4pack_mm_for_cpu`) were measured here first: correct but 6-20x slower than
 the fp32 GEMM on this AVX2 CPU, so unusable; fbgemm's dynamic int8 linear quantizes the
@@ -18,6 +18,7 @@ use torch's GEMM, which tiles large problems better than the small-batch kernel.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 GROUP = 32  # int4 inputs per scale/min pair
 LARGE_BATCH = 64
 _SOURCE = Path(__file__).with_name("woq_cpu.cpp")
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 _ext = None
 
 
@@ -43,14 +45,21 @@ def load_kernels():
         raise RuntimeError(
             f"quantization: the int8/int4 CPU kernels need AVX2 and FMA (this CPU: {capability})"
         )
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load_inline
 
+    # The extension's name carries a hash of its source and flags: torch keys its build folder
+    # on the name alone and its ninja file on the source's path, so one name shared by two
+    # checkouts (or two versions of the source) rebuilt it (~35 s) whenever the other ran
+    # last; keyed on the content, each version is built once and then only loaded.
+    source = _SOURCE.read_text()
+    digest = hashlib.sha256("\0".join([source, *_CFLAGS, torch.__version__]).encode())
     try:
-        _ext = load(
-            name="plait_woq_cpu",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        _ext = load_inline(
+            name=f"plait_woq_cpu_{digest.hexdigest()[:16]}",
+            cpp_sources=[source],
+            extra_cflags=list(_CFLAGS),
             extra_ldflags=["-fopenmp"],
+            no_implicit_headers=True,  # the source includes its own headers and bindings
             verbose=os.environ.get("PLAIT_VERBOSE_BUILD") == "1",
         )
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, build error
