@@ -111,7 +111,12 @@ class TorchAttnBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id: int, kv_pool: KVPool, meta: AttentionMetadata):
         k_buffer, v_buffer = kv_pool.k_buffer[layer_id], kv_pool.v_buffer[layer_id]
-        store_kv_reference(k_buffer, v_buffer, meta.out_cache_loc, k, v)
+        loc = meta.cache.get("out_cache_loc64")
+        if loc is None:  # index_copy_ wants int64; converted once for every layer
+            loc = meta.cache["out_cache_loc64"] = meta.out_cache_loc.long()
+        # index_copy_ rather than `buffer[loc] = k` (advanced indexing): half the overhead
+        k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+        v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
         if meta.mode is ForwardMode.DECODE:
             return decode_attention_cpu(q, k_buffer, v_buffer, meta, self.scaling)
         return extend_attention_cpu(q, k_buffer, v_buffer, meta, self.scaling)
