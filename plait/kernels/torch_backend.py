@@ -98,6 +98,8 @@ def _decode_gather_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.T
 class TorchAttnBackend(AttentionBackend):
     """The CPU backend (and a portable fallback anywhere torch runs)."""
 
+    use_cpu_kernel = False  # set by the model runner: decode through attn_cpu.cpp when built
+
     def prepare(self, meta: AttentionMetadata) -> None:
         # once for every layer: shared-prefix groups (decode), slots and masks (extend)
         if meta.mode is ForwardMode.DECODE:
@@ -118,5 +120,7 @@ class TorchAttnBackend(AttentionBackend):
         k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
         v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
         if meta.mode is ForwardMode.DECODE:
-            return decode_attention_cpu(q, k_buffer, v_buffer, meta, self.scaling)
+            return decode_attention_cpu(
+                q, k_buffer, v_buffer, meta, self.scaling, use_kernel=self.use_cpu_kernel
+            )
         return extend_attention_cpu(q, k_buffer, v_buffer, meta, self.scaling)
