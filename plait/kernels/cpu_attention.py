@@ -23,7 +23,6 @@ these are the paths the CPU actually runs:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,15 +42,11 @@ _kernel_thread: threading.Thread | None = None
 
 def _build_kernel() -> None:
     global _kernel
-    from torch.utils.cpp_extension import load
+    from plait.kernels.cpp_build import load_extension
 
     try:
-        mod = load(
-            name="plait_attn_cpu",
-            sources=[str(_KERNEL_SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=os.environ.get("PLAIT_VERBOSE_BUILD") == "1",
+        mod = load_extension(
+            "plait_attn_cpu", _KERNEL_SOURCE, ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
         )
     except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja: keep torch's path
         logger.warning("CPU decode attention kernel unavailable (%s); using torch's", e)

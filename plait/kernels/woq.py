@@ -19,7 +19,6 @@ use torch's GEMM, which tiles large problems better than the small-batch kernel.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -43,15 +42,11 @@ def load_kernels():
         raise RuntimeError(
             f"quantization: the int8/int4 CPU kernels need AVX2 and FMA (this CPU: {capability})"
         )
-    from torch.utils.cpp_extension import load
+    from plait.kernels.cpp_build import load_extension
 
     try:
-        _ext = load(
-            name="plait_woq_cpu",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=os.environ.get("PLAIT_VERBOSE_BUILD") == "1",
+        _ext = load_extension(
+            "plait_woq_cpu", _SOURCE, ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
         )
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, build error
         raise RuntimeError(f"quantization: building the CPU kernels failed: {e}") from e

@@ -191,3 +191,21 @@ def test_decode_kernel_rejects_slots_outside_the_pool(decode_kernel):
         decode_kernel._kernel.decode_attention(
             q, k, v, torch.tensor([[3, 10]]), torch.tensor([2]), 0.25
         )
+
+
+@pytest.mark.heavy
+def test_a_lock_left_by_a_killed_build_does_not_block_loading(decode_kernel):
+    """torch's build lock file, left behind by a process killed mid-build, would make every
+    later load wait forever; load_extension removes it under its own flock."""
+    import threading
+
+    from plait.kernels.cpp_build import build_directory, load_extension
+
+    (build_directory("plait_attn_cpu") / "lock").touch()
+    loaded = []
+    t = threading.Thread(target=lambda: loaded.append(load_extension(
+        "plait_attn_cpu", decode_kernel._KERNEL_SOURCE,
+        ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"])), daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert loaded and hasattr(loaded[0], "decode_attention"), "load waited on the stale lock"
