@@ -23,6 +23,7 @@ these are the paths the CPU actually runs:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,10 @@ def _build_kernel() -> None:
     global _kernel
     from plait.kernels.cpp_build import load_extension
 
+    try:  # Linux: this thread only, inherited by the compiler it starts (serving goes first)
+        os.nice(10)
+    except OSError:
+        pass
     try:
         mod = load_extension(
             "plait_attn_cpu", _KERNEL_SOURCE, ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
