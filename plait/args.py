@@ -158,6 +158,11 @@ class ServerArgs:
         False, "on CPU, run the logits and large projections on torch's plain weights instead of "
         "oneDNN-prepacked ones (the logits copy costs one extra output embedding of memory)",
     )
+    disable_cpu_attention_kernel: bool = _opt(
+        False, "on CPU, run decode attention as torch's gather + fused attention instead of "
+        "plait's AVX2 kernel that reads the KV pool in place (built in the background on first "
+        "use, ~1 minute once, then cached by torch)",
+    )
     quantization: str = _opt(
         "none", "CPU: weight-only quantized decoder-layer linears, quantized at load time from "
         "the checkpoint's weights (int8: per-output-row scales; int4: scale and min per 32 "

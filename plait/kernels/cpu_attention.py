@@ -12,16 +12,74 @@ these are the paths the CPU actually runs:
   and only each request's own suffix is gathered into a padded batch. The two partial results
   are merged with their log-sum-exps. Without sharing this is a padded gather of every
   request's KV, as before, done with one `index_select`.
+* decode, the suffix part: on an AVX2 CPU with fp32 KV, plait's own kernel (attn_cpu.cpp)
+  reads each request's K/V rows in place through its slot list (no gathered copy) and
+  attends its grouped-query heads in one task per (request, kv head). It is compiled with
+  torch's cpp_extension in a background thread when a model runner starts (about a minute
+  the first time, then loaded from torch's extension cache); until it is ready, and on other
+  CPUs, dtypes or with `--disable-cpu-attention-kernel`, the gather + flash path runs.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from plait.kernels.base import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_KERNEL_SOURCE = Path(__file__).with_name("attn_cpu.cpp")
+_kernel = None  # the compiled decode kernel, once built or loaded
+_kernel_lock = threading.Lock()
+_kernel_thread: threading.Thread | None = None
+
+
+def _build_kernel() -> None:
+    global _kernel
+    from plait.kernels.cpp_build import load_extension
+
+    try:  # Linux: this thread only, inherited by the compiler it starts (serving goes first)
+        os.nice(10)
+    except OSError:
+        pass
+    try:
+        mod = load_extension(
+            "plait_attn_cpu", _KERNEL_SOURCE, ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
+        )
+    except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja: keep torch's path
+        logger.warning("CPU decode attention kernel unavailable (%s); using torch's", e)
+        return
+    _kernel = mod
+
+
+def start_decode_kernel(block: bool = False) -> bool:
+    """Build or load the AVX2 decode attention kernel, in a background thread unless `block`
+    (the runner starts serving on torch's path meanwhile). True when it can be used now."""
+    global _kernel_thread
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    with _kernel_lock:
+        if _kernel is None and _kernel_thread is None:
+            _kernel_thread = threading.Thread(
+                target=_build_kernel, name="plait-attn-kernel-build", daemon=True
+            )
+            _kernel_thread.start()
+        thread = _kernel_thread
+    if block and thread is not None:
+        thread.join()
+    return _kernel is not None
+
+
+def decode_kernel_ready() -> bool:
+    return _kernel is not None
+
 
 # a shared prefix shorter than this is attended with the rest (the grouping costs more)
 MIN_SHARED_PREFIX = 32
@@ -88,6 +146,7 @@ class DecodePlan:
     groups: list[PrefixGroup]
     suffix_slots: torch.Tensor  # [B, Ls] int64, each request's KV after its group's prefix
     suffix_valid: torch.Tensor  # [B, Ls] bool
+    suffix_lens: torch.Tensor  # [B] int64, each request's suffix length (>= 1)
     masks: dict = field(default_factory=dict)  # additive padding masks by dtype, built once
 
     @property
@@ -132,7 +191,7 @@ def plan_decode(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) ->
     valid = pos < torch.tensor(suffix_lens, device=device)[:, None]
     cols = (offsets[:, None] + pos).clamp_(max=max(rows.shape[1] - 1, 0))
     slots = torch.where(valid, rows.gather(1, cols).long(), 0)
-    plan = DecodePlan(groups, slots, valid)
+    plan = DecodePlan(groups, slots, valid, torch.tensor(suffix_lens, dtype=torch.int64))
     meta.cache["cpu_decode_plan"] = plan
     return plan
 
@@ -143,8 +202,10 @@ def decode_attention_cpu(
     v_buffer: torch.Tensor,
     meta: AttentionMetadata,
     scaling: float,
+    use_kernel: bool = False,
 ) -> torch.Tensor:
-    """q: [B, H, D] (one token per request) -> [B, H, D].
+    """q: [B, H, D] (one token per request) -> [B, H, D]. `use_kernel`: through attn_cpu.cpp
+    when it has been built (start_decode_kernel) and the inputs suit it.
 
     A kv head's G query heads are attended as G query rows of that head ([B, Hkv, G, D]), so
     grouped-query attention needs no repeated K/V; K/V are strided views of one gather."""
@@ -153,12 +214,24 @@ def decode_attention_cpu(
     num_kv = k_buffer.shape[1]
     group = num_heads // num_kv
     qg = q.reshape(bsz, num_kv, group, head_dim)
-    width = plan.suffix_slots.shape[1]
-    flat = plan.suffix_slots.reshape(-1)
-    k = k_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
-    v = v_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
-    mask = _padding_mask(plan, q.dtype)  # [B, 1, 1, Ls]
-    out, lse = _attend(qg, k.to(q.dtype), v.to(q.dtype), mask, scaling)  # [B, Hkv, G, D]
+    kernel = _kernel if use_kernel else None
+    if (
+        kernel is not None
+        and q.device.type == "cpu"
+        and q.dtype == k_buffer.dtype == torch.float32
+        and head_dim % 8 == 0
+        and k_buffer.is_contiguous()
+    ):  # K/V read in place through the slot lists
+        out, lse = kernel.decode_attention(
+            qg, k_buffer, v_buffer, plan.suffix_slots, plan.suffix_lens, scaling
+        )
+    else:
+        width = plan.suffix_slots.shape[1]
+        flat = plan.suffix_slots.reshape(-1)
+        k = k_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
+        v = v_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
+        mask = _padding_mask(plan, q.dtype)  # [B, 1, 1, Ls]
+        out, lse = _attend(qg, k.to(q.dtype), v.to(q.dtype), mask, scaling)  # [B, Hkv, G, D]
     for g in plan.groups:
         n = g.members.numel()
         # every member's query heads against one read of the prefix: [1, Hkv, n*G, D]

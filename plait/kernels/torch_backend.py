@@ -98,6 +98,8 @@ def _decode_gather_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.T
 class TorchAttnBackend(AttentionBackend):
     """The CPU backend (and a portable fallback anywhere torch runs)."""
 
+    use_cpu_kernel = False  # set by the model runner: decode through attn_cpu.cpp when built
+
     def prepare(self, meta: AttentionMetadata) -> None:
         # once for every layer: shared-prefix groups (decode), slots and masks (extend)
         if meta.mode is ForwardMode.DECODE:
@@ -111,7 +113,14 @@ class TorchAttnBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id: int, kv_pool: KVPool, meta: AttentionMetadata):
         k_buffer, v_buffer = kv_pool.k_buffer[layer_id], kv_pool.v_buffer[layer_id]
-        store_kv_reference(k_buffer, v_buffer, meta.out_cache_loc, k, v)
+        loc = meta.cache.get("out_cache_loc64")
+        if loc is None:  # index_copy_ wants int64; converted once for every layer
+            loc = meta.cache["out_cache_loc64"] = meta.out_cache_loc.long()
+        # index_copy_ rather than `buffer[loc] = k` (advanced indexing): half the overhead
+        k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+        v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
         if meta.mode is ForwardMode.DECODE:
-            return decode_attention_cpu(q, k_buffer, v_buffer, meta, self.scaling)
+            return decode_attention_cpu(
+                q, k_buffer, v_buffer, meta, self.scaling, use_kernel=self.use_cpu_kernel
+            )
         return extend_attention_cpu(q, k_buffer, v_buffer, meta, self.scaling)

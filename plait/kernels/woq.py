@@ -18,9 +18,7 @@ use torch's GEMM, which tiles large problems better than the small-batch kernel.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -31,7 +29,6 @@ logger = logging.getLogger(__name__)
 GROUP = 32  # int4 inputs per scale/min pair
 LARGE_BATCH = 64
 _SOURCE = Path(__file__).with_name("woq_cpu.cpp")
-_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 _ext = None
 
 
@@ -45,22 +42,11 @@ def load_kernels():
         raise RuntimeError(
             f"quantization: the int8/int4 CPU kernels need AVX2 and FMA (this CPU: {capability})"
         )
-    from torch.utils.cpp_extension import load_inline
+    from plait.kernels.cpp_build import load_extension
 
-    # The extension's name carries a hash of its source and flags: torch keys its build folder
-    # on the name alone and its ninja file on the source's path, so one name shared by two
-    # checkouts (or two versions of the source) rebuilt it (~35 s) whenever the other ran
-    # last; keyed on the content, each version is built once and then only loaded.
-    source = _SOURCE.read_text()
-    digest = hashlib.sha256("\0".join([source, *_CFLAGS, torch.__version__]).encode())
     try:
-        _ext = load_inline(
-            name=f"plait_woq_cpu_{digest.hexdigest()[:16]}",
-            cpp_sources=[source],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            no_implicit_headers=True,  # the source includes its own headers and bindings
-            verbose=os.environ.get("PLAIT_VERBOSE_BUILD") == "1",
+        _ext = load_extension(
+            "plait_woq_cpu", _SOURCE, ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
         )
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, build error
         raise RuntimeError(f"quantization: building the CPU kernels failed: {e}") from e

@@ -71,14 +71,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, H, D], k: [T, Hkv, D]
-        cos = self.cos[positions][:, None, :]  # [T, 1, D/2]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] of the positions: looked up once per forward, for every
+        layer (30 layers of SmolLM2 each indexing the table cost two ops apiece)."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (may be a strided view) -> rotated, contiguous."""
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
@@ -103,15 +103,23 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.attn = attn_backend
 
-    def forward(self, x, positions, rotary, kv_pool: KVPool, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_pool: KVPool,
+                meta: AttentionMetadata):
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        else:
+            # q and k are adjacent in the fused output: rotate them as one [T, H + Hkv, D] view
+            qk = qkv[:, : self.q_size + self.kv_size].unflatten(
+                -1, (self.num_heads + self.num_kv_heads, self.head_dim)
+            )
+            qk = _rotate(qk, *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = self.attn.forward(q, k, v, self.layer_id, kv_pool, meta)  # [T, H, D]
         return self.o_proj(o.reshape(num_tokens, -1))
 
@@ -136,8 +144,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_pool, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_pool, meta)
+    def forward(self, x, rope, kv_pool, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -204,8 +212,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary(positions)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, kv_pool, meta)
+            x = layer(x, rope, kv_pool, meta)
         return self.model.norm(x)
 
     @property

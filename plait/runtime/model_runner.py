@@ -16,6 +16,7 @@ from plait.kernels.base import (
     create_attention_backend,
     resolve_backend_name,
 )
+from plait.kernels.cpu_attention import start_decode_kernel
 from plait.kernels.woq import quantize_linears
 from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
 from plait.registry import QUANTIZATION_METHODS
@@ -99,6 +100,14 @@ class ModelRunner:
             if self.sharding:
                 pack_row_parallel(self.model.model)
         self.attn_backend = attn
+        if (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and not args.disable_cpu_attention_kernel
+            and hasattr(attn, "use_cpu_kernel")  # the torch backend
+        ):
+            attn.use_cpu_kernel = True
+            start_decode_kernel()  # background build/load; torch's path until it is ready
         pool_tokens = self._pool_size()
         self.kv_pool = KVPool(
             pool_tokens, cfg.num_hidden_layers, local.num_key_value_heads, cfg.head_dim,

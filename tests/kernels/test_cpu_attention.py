@@ -141,3 +141,73 @@ def test_half_precision_pools_match_the_fp32_reference(dtype, tol):
         assert out.dtype == dtype
         expected = ref(b.q.float(), k.float(), v.float(), b.meta, SCALE)
         torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------- attn_cpu.cpp (AVX2 decode)
+@pytest.fixture(scope="module")
+def decode_kernel():
+    import plait.kernels.cpu_attention as cpu
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the decode kernel needs AVX2")
+    assert cpu.start_decode_kernel(block=True), "the decode kernel failed to build"
+    return cpu
+
+
+def _kernel_decode(q, k, v, meta, scale):
+    # the conditions under which decode_attention_cpu takes the kernel (else it falls back)
+    assert k.is_contiguous() and k.dtype == q.dtype == torch.float32
+    return decode_attention_cpu(q, k, v, meta, scale, use_kernel=True)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [16, 64, 72])
+def test_decode_kernel_without_sharing_matches_reference(decode_kernel, group, head_dim):
+    lens = [0, 1, 14, 15, 16, 32, 149]  # ragged: every tail length mod 8
+    b = random_attention_batch(lens, [1] * len(lens), 3 * group, 3, head_dim,
+                               mode=ForwardMode.DECODE, seed=group + head_dim)
+    _check(_kernel_decode, decode_attention_reference, b)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_kernel_with_shared_prefixes_matches_reference(decode_kernel, group):
+    # the suffixes go through the kernel, the groups' prefixes through flash; merged by lse
+    lens = [60, 70, 40, 120, 101, 150, 80, 90]
+    b = random_attention_batch(lens, [1] * len(lens), 2 * group, 2, 64,
+                               mode=ForwardMode.DECODE, seed=20 + group)
+    _share(b, 0, [1, 2], 40)  # member 2: its whole cached KV is the prefix (suffix length 1)
+    _share(b, 3, [4, 5], 100)
+    assert len(plan_decode(b.meta).groups) == 2
+    _check(_kernel_decode, decode_attention_reference, b)
+
+
+@pytest.mark.heavy
+def test_decode_kernel_rejects_slots_outside_the_pool(decode_kernel):
+    q = torch.randn(1, 2, 2, 16)
+    k = v = torch.randn(10, 2, 16)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        decode_kernel._kernel.decode_attention(
+            q, k, v, torch.tensor([[3, 10]]), torch.tensor([2]), 0.25
+        )
+
+
+@pytest.mark.heavy
+def test_a_lock_left_by_a_killed_build_does_not_block_loading(decode_kernel):
+    """torch's build lock file, left behind by a process killed mid-build, would make every
+    later load wait forever; load_extension removes it under its own flock."""
+    import threading
+
+    from plait.kernels.cpp_build import build_directory, extension_name, load_extension
+
+    source = decode_kernel._KERNEL_SOURCE
+    cflags, ldflags = ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
+    name = extension_name("plait_attn_cpu", source.read_text(), cflags, ldflags)
+    (build_directory(name) / "lock").touch()
+    loaded = []
+    t = threading.Thread(target=lambda: loaded.append(load_extension(
+        "plait_attn_cpu", source, cflags, ldflags)), daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert loaded and hasattr(loaded[0], "decode_attention"), "load waited on the stale lock"
