@@ -163,6 +163,12 @@ class ServerArgs:
         "plait's AVX2 kernel that reads the KV pool in place (built in the background on first "
         "use, ~1 minute once, then cached by torch)",
     )
+    disable_cpu_fused_ops: bool = _opt(
+        False, "on CPU (float32), run each decoder layer's small operators (RMSNorm with the "
+        "residual add, rotary with the KV store, SiLU * up) as torch's operators instead of "
+        "plait's fused kernels (same results bit for bit; built in the background on first "
+        "use, under a minute once, then cached by torch)",
+    )
     quantization: str = _opt(
         "none", "CPU: weight-only quantized decoder-layer linears, quantized at load time from "
         "the checkpoint's weights (int8: per-output-row scales; int4: scale and min per 32 "

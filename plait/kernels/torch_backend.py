@@ -99,6 +99,9 @@ class TorchAttnBackend(AttentionBackend):
     """The CPU backend (and a portable fallback anywhere torch runs)."""
 
     use_cpu_kernel = False  # set by the model runner: decode through attn_cpu.cpp when built
+    # forward(q, None, None, ...): the model already wrote this layer's new K/V into the pool
+    # at meta.out_cache_loc (the fused rotary + KV store of plait.kernels.fused_ops)
+    accepts_stored_kv = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         # once for every layer: shared-prefix groups (decode), slots and masks (extend)
@@ -113,12 +116,13 @@ class TorchAttnBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id: int, kv_pool: KVPool, meta: AttentionMetadata):
         k_buffer, v_buffer = kv_pool.k_buffer[layer_id], kv_pool.v_buffer[layer_id]
-        loc = meta.cache.get("out_cache_loc64")
-        if loc is None:  # index_copy_ wants int64; converted once for every layer
-            loc = meta.cache["out_cache_loc64"] = meta.out_cache_loc.long()
-        # index_copy_ rather than `buffer[loc] = k` (advanced indexing): half the overhead
-        k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
-        v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
+        if k is not None:  # else already stored (accepts_stored_kv)
+            loc = meta.cache.get("out_cache_loc64")
+            if loc is None:  # index_copy_ wants int64; converted once for every layer
+                loc = meta.cache["out_cache_loc64"] = meta.out_cache_loc.long()
+            # index_copy_ rather than `buffer[loc] = k` (advanced indexing): half the overhead
+            k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+            v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
         if meta.mode is ForwardMode.DECODE:
             return decode_attention_cpu(
                 q, k_buffer, v_buffer, meta, self.scaling, use_kernel=self.use_cpu_kernel

@@ -13,11 +13,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from plait.kernels.fused_ops import FusedOps, fused_ops, rms_norm_reference, rotate_reference
 from plait.models.registry import register_model
 
 if TYPE_CHECKING:
     from plait.kernels.base import AttentionBackend, AttentionMetadata
     from plait.radix_cache.kv_pool import KVPool
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the batch's positions [T, 1, D/2]
 
 
 class RMSNorm(nn.Module):
@@ -27,10 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -77,13 +77,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] (may be a strided view) -> rotated, contiguous."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
@@ -112,16 +105,32 @@ class Attention(nn.Module):
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
+            q, k = rotate_reference(q, *rope), rotate_reference(k, *rope)
         else:
             # q and k are adjacent in the fused output: rotate them as one [T, H + Hkv, D] view
             qk = qkv[:, : self.q_size + self.kv_size].unflatten(
                 -1, (self.num_heads + self.num_kv_heads, self.head_dim)
             )
-            qk = _rotate(qk, *rope)
+            qk = rotate_reference(qk, *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = self.attn.forward(q, k, v, self.layer_id, kv_pool, meta)  # [T, H, D]
         return self.o_proj(o.reshape(num_tokens, -1))
+
+    def forward_fused(self, x, rope: Rope, kv_pool: KVPool, meta: AttentionMetadata,
+                      ops: FusedOps) -> torch.Tensor:
+        """forward with rotary and the K/V store fused into one pass over the qkv rows: K and V
+        go straight into this layer's pool rows at meta.out_cache_loc, and the backend (one that
+        accepts_stored_kv) is given k = v = None. With q/k norms: forward."""
+        if self.qk_norm or not getattr(self.attn, "accepts_stored_kv", False):
+            return self.forward(x, rope, kv_pool, meta)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        q = ops.rope_store_kv(
+            qkv, rope[0], rope[1], kv_pool.k_buffer[self.layer_id],
+            kv_pool.v_buffer[self.layer_id], meta.out_cache_loc, self.num_heads,
+            self.num_kv_heads,
+        )  # [T, H, D]
+        o = self.attn.forward(q, None, None, self.layer_id, kv_pool, meta)
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -135,6 +144,9 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
@@ -147,6 +159,17 @@ class DecoderLayer(nn.Module):
     def forward(self, x, rope, kv_pool, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, residual: torch.Tensor, h: torch.Tensor, rope: Rope, kv_pool: KVPool,
+                      meta: AttentionMetadata, ops: FusedOps, next_norm: RMSNorm) -> torch.Tensor:
+        """The layer on its normed input h [T, hidden], each residual add fused with the RMSNorm
+        after it: `residual` (the stream) is updated in place, and the result is the stream
+        normed by next_norm (the next layer's input norm, or the model's final norm)."""
+        a = self.self_attn.forward_fused(h, rope, kv_pool, meta, ops)
+        norm = self.post_attention_layernorm
+        h = ops.add_rms_norm_(residual, a, norm.weight, norm.eps)
+        m = self.mlp.forward_fused(h, ops)
+        return ops.add_rms_norm_(residual, m, next_norm.weight, next_norm.eps)
 
 
 class LlamaBody(nn.Module):
@@ -164,6 +187,10 @@ class LlamaBody(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Also serves Qwen2 (qkv bias), Qwen3 (q/k norm) and Mistral through ModelConfig flags."""
+
+    # set by the model runner (CPU, float32): run the small operators of each layer through
+    # fused_cpu.cpp once it is built (plait.kernels.fused_ops), torch's until then
+    use_fused_cpu_ops = False
 
     # checkpoint name -> (fused parameter name, index of its shard within the fused rows)
     stacked_params = {
@@ -213,9 +240,24 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions)
+        ops = fused_ops() if self.use_fused_cpu_ops else None
+        if ops is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self._forward_fused(x, rope, kv_pool, meta, ops)
         for layer in self.model.layers:
             x = layer(x, rope, kv_pool, meta)
         return self.model.norm(x)
+
+    def _forward_fused(self, x, rope: Rope, kv_pool: KVPool, meta: AttentionMetadata,
+                       ops: FusedOps) -> torch.Tensor:
+        """forward's result through the fused operators (bit-identical to torch's, see
+        fused_cpu.cpp). x, the embeddings [T, hidden], is the residual stream, updated in place."""
+        layers = self.model.layers
+        first = layers[0].input_layernorm
+        h = ops.rms_norm(x, first.weight, first.eps)
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        for layer, next_norm in zip(layers, next_norms):
+            h = layer.forward_fused(x, h, rope, kv_pool, meta, ops, next_norm)
+        return h
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -1,0 +1,398 @@
+// The small per-layer operators of a Llama decoder layer, fused, for the CPU (fp32).
+//
+// Between its four matmuls and attention, a layer of torch code runs some 25 small operators
+// (RMSNorm as pow/mean/add/rsqrt/mul/mul, the residual adds, rotary as chunk/mul/mul/sub/cat,
+// SiLU and the product, the two KV stores) plus their views: each a dispatch through torch of a
+// few microseconds on a few hundred floats, several milliseconds per decode step over 30
+// layers. Here each group is one pass over its rows:
+//   rms_norm           out = x * rsqrt(mean(x^2) + eps) * w
+//   add_rms_norm_      residual += delta (in place); out = rms_norm(residual)
+//   rope_store_kv      q and k of the fused qkv projection rotated (neox, rotate-half); q
+//                      returned, k and v written into the KV pool rows of the new tokens
+//   silu_mul           silu(gate) * up of the fused gate_up projection
+// Each result is bit-identical to the torch operators it replaces (the references in
+// fused_ops.py), so the fused model's greedy output is the unfused one's: the arithmetic is
+// torch's operation for operation, in the same order, and this file is compiled with
+// -ffp-contract=off so that no multiply and add are merged into one FMA. Two places follow
+// torch's internals: RMSNorm's sum of squares is summed in the order of ATen's cascade sum, and
+// SiLU's exp is Sleef's expf, both at `lanes`, the width of torch's own vectors (8 or 16; the
+// loader finds it by comparing with torch).
+//
+// Built with -mavx512f where the CPU has AVX-512 (16-wide), else AVX2 + FMA (8-wide).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+using vec = __m512;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vset(float x) { return _mm512_set1_ps(x); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+using veci = __m512i;
+inline veci vcvt_nearest(vec x) { return _mm512_cvtps_epi32(x); }  // ties to even
+inline vec vcvt_float(veci x) { return _mm512_cvtepi32_ps(x); }
+inline veci vsra1(veci x) { return _mm512_srai_epi32(x, 1); }
+inline veci vsubi(veci a, veci b) { return _mm512_sub_epi32(a, b); }
+inline vec vpow2i(veci q) {  // 2^q for integral q in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(127)), 23));
+}
+inline vec vselect_lt(vec a, vec b, vec if_lt, vec otherwise) {  // a < b ? if_lt : otherwise
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), otherwise, if_lt);
+}
+#else
+constexpr int64_t W = 8;
+using vec = __m256;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vset(float x) { return _mm256_set1_ps(x); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+using veci = __m256i;
+inline veci vcvt_nearest(vec x) { return _mm256_cvtps_epi32(x); }  // ties to even
+inline vec vcvt_float(veci x) { return _mm256_cvtepi32_ps(x); }
+inline veci vsra1(veci x) { return _mm256_srai_epi32(x, 1); }
+inline veci vsubi(veci a, veci b) { return _mm256_sub_epi32(a, b); }
+inline vec vpow2i(veci q) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(127)), 23));
+}
+inline vec vselect_lt(vec a, vec b, vec if_lt, vec otherwise) {
+  return _mm256_blendv_ps(otherwise, if_lt, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
+}
+#endif
+
+// Sleef's expf (u10), operation for operation: what torch's Vectorized<float>::exp calls, so
+// that SiLU rounds as torch's does. exp(d) = 2^q * e^s, d = q ln2 + s (ln2 in two parts), a
+// degree-6 polynomial for e^s, 2^q applied in two halves (q reaches 145 at d = 100).
+inline vec vexp(vec d) {
+  const veci q = vcvt_nearest(vmul(d, vset(1.442695040888963407359924681001892137f)));
+  const vec qf = vcvt_float(q);
+  vec s = vfma(qf, vset(-0.693145751953125f), d);
+  s = vfma(qf, vset(-1.428606765330187045e-06f), s);
+  vec u = vset(0.000198527617612853646278381f);
+  u = vfma(u, s, vset(0.00139304355252534151077271f));
+  u = vfma(u, s, vset(0.00833336077630519866943359f));
+  u = vfma(u, s, vset(0.0416664853692054748535156f));
+  u = vfma(u, s, vset(0.166666671633720397949219f));
+  u = vfma(u, s, vset(0.5f));
+  u = vadd(vset(1.0f), vfma(vmul(s, s), u, s));
+  const veci half = vsra1(q);
+  u = vmul(vmul(u, vpow2i(half)), vpow2i(vsubi(q, half)));
+  u = vselect_lt(d, vset(-104.0f), vzero(), u);  // underflow: 0
+  return vselect_lt(vset(100.0f), d, vset(INFINITY), u);  // overflow: inf
+}
+
+// rows of `work` floats each: below this many floats in all, one thread (a parallel region
+// costs more than a decode step's few thousand floats); prefill-sized inputs are split
+inline int64_t grain_rows(int64_t work_per_row) {
+  constexpr int64_t kMinWork = 1 << 16;
+  return std::max<int64_t>(1, kMinWork / std::max<int64_t>(1, work_per_row));
+}
+
+// torch's RMSNorm: mean(x^2) as sum / n, + eps, rsqrt as 1 / sqrt, then (x * r) * w
+inline void scale_row(const float* x, const float* w, float* out, int64_t n, float sumsq,
+                      float eps) {
+  const float r = 1.0f / std::sqrt(sumsq / static_cast<float>(n) + eps);
+  const vec vr = vset(r);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(out + i, vmul(vmul(vload(x + i), vr), vload(w + i)));
+  for (; i < n; ++i) out[i] = (x[i] * r) * w[i];
+}
+
+// torch's order of summation for x.pow(2).sum(-1) over a contiguous row (ATen's cascade_sum:
+// vectorized_inner_sum, row_sum and multi_row_sum in native/cpu/SumKernel.cpp), so that
+// RMSNorm matches torch's bit for bit: the squares rounded before summing; vectors of L lanes
+// (L: the width of torch's own sum kernel, 8 or 16) summed in 4 interleaved cascades whose
+// levels hold 16 (or more) partial sums each; the 4 added in order, then the scalar tail and
+// the L lanes left to right. Rows shorter than L: the same cascades over single floats.
+template <int64_t L>
+void cascade_rows(const float* data, int64_t rows, float out[4][L]) {
+  constexpr int kLevels = 4;
+  const int64_t ceil_log2 =
+      rows <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(rows - 1));
+  const int64_t power = std::max<int64_t>(4, ceil_log2 / kLevels);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  float acc[kLevels][4][L] = {};
+  auto add_row = [&](int64_t i) {
+    for (int k = 0; k < 4; ++k)
+      for (int64_t l = 0; l < L; ++l) acc[0][k][l] += data[(i * 4 + k) * L + l];
+  };
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_row(i);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < 4; ++k)
+        for (int64_t l = 0; l < L; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.0f;
+        }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < 4; ++k)
+      for (int64_t l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
+  std::memcpy(out, acc[0], sizeof(acc[0]));
+}
+
+// ATen's row_sum over `n` items of L floats each (L = 1: scalars)
+template <int64_t L>
+void row_sum(const float* data, int64_t n, float out[L]) {
+  float part[4][L];
+  cascade_rows<L>(data, n / 4, part);
+  for (int64_t i = n / 4 * 4; i < n; ++i)
+    for (int64_t l = 0; l < L; ++l) part[0][l] += data[i * L + l];
+  for (int k = 1; k < 4; ++k)
+    for (int64_t l = 0; l < L; ++l) part[0][l] += part[k][l];
+  std::memcpy(out, part[0], sizeof(part[0]));
+}
+
+template <int64_t L>
+float torch_sum(const float* sq, int64_t n) {
+  if (n < L) {
+    float total;
+    row_sum<1>(sq, n, &total);
+    return total;
+  }
+  const int64_t vectors = n / L;
+  float lanes[L];
+  row_sum<L>(sq, vectors, lanes);
+  float total = 0.0f;
+  for (int64_t k = vectors * L; k < n; ++k) total += sq[k];
+  for (int64_t k = 0; k < L; ++k) total += lanes[k];
+  return total;
+}
+
+// sum of x^2 in torch's order; sq: scratch of n floats; lanes: torch's width (8 or 16)
+inline float sum_squares(const float* x, int64_t n, float* sq, int64_t lanes) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    vec v = vload(x + i);
+    vstore(sq + i, vmul(v, v));
+  }
+  for (; i < n; ++i) sq[i] = x[i] * x[i];
+  return lanes == 16 ? torch_sum<16>(sq, n) : torch_sum<8>(sq, n);
+}
+
+// residual += delta
+inline void add_row(float* residual, const float* delta, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(residual + i, vadd(vload(residual + i), vload(delta + i)));
+  for (; i < n; ++i) residual[i] = residual[i] + delta[i];
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32,
+              name, ": a float32 CPU tensor is expected");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": [rows, n] with unit column stride");
+}
+
+void check_lanes(int64_t lanes) { TORCH_CHECK(lanes == 8 || lanes == 16, "lanes: 8 or 16"); }
+
+void check_weight(const torch::Tensor& w, int64_t n) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 1 &&
+                  w.size(0) == n && w.is_contiguous(),
+              "weight: a contiguous float32 [n] tensor is expected");
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       int64_t lanes) {
+  check_rows(x, "x");
+  check_lanes(lanes);
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  check_weight(weight, n);
+  auto out = torch::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> sq(n);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * stride;
+      scale_row(row, wp, op + t * n, n, sum_squares(row, n, sq.data(), lanes), e);
+    }
+  });
+  return out;
+}
+
+torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& delta,
+                            const torch::Tensor& weight, double eps, int64_t lanes) {
+  check_rows(residual, "residual");
+  check_rows(delta, "delta");
+  check_lanes(lanes);
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  TORCH_CHECK(delta.size(0) == rows && delta.size(1) == n, "delta: the residual's shape");
+  check_weight(weight, n);
+  auto out = torch::empty({rows, n}, residual.options());
+  float* rp = residual.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t rs = residual.stride(0), ds = delta.stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+    std::vector<float> sq(n);
+    for (int64_t t = begin; t < end; ++t) {
+      float* row = rp + t * rs;
+      add_row(row, dp + t * ds, n);
+      scale_row(row, wp, op + t * n, n, sum_squares(row, n, sq.data(), lanes), e);
+    }
+  });
+  return out;
+}
+
+// one head: out = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin), x = cat(x1, x2)
+inline void rotate_head(const float* x, const float* cos, const float* sin, float* out,
+                        int64_t half) {
+  int64_t j = 0;
+  for (; j + W <= half; j += W) {
+    vec x1 = vload(x + j), x2 = vload(x + half + j), c = vload(cos + j), s = vload(sin + j);
+    vstore(out + j, vsub(vmul(x1, c), vmul(x2, s)));
+    vstore(out + half + j, vadd(vmul(x2, c), vmul(x1, s)));
+  }
+  for (; j < half; ++j) {
+    const float x1 = x[j], x2 = x[half + j];
+    out[j] = x1 * cos[j] - x2 * sin[j];
+    out[half + j] = x2 * cos[j] + x1 * sin[j];
+  }
+}
+
+template <typename index_t>
+void check_slots(const index_t* loc, int64_t n, int64_t num_slots) {
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(loc[t] >= 0 && loc[t] < num_slots, "rope_store_kv: slot out of range");
+  }
+}
+
+template <typename index_t>
+void rope_store_rows(const float* qkv, int64_t qkv_stride, const float* cos, const float* sin,
+                     const index_t* loc, float* q, float* kbuf, float* vbuf, int64_t tokens,
+                     int64_t heads, int64_t kv_heads, int64_t dim) {
+  const int64_t half = dim / 2, kv_row = kv_heads * dim;
+  at::parallel_for(0, tokens, grain_rows((heads + 2 * kv_heads) * dim), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = qkv + t * qkv_stride;
+      const float* c = cos + t * half;
+      const float* s = sin + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        rotate_head(row + h * dim, c, s, q + (t * heads + h) * dim, half);
+      }
+      const int64_t slot = static_cast<int64_t>(loc[t]);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate_head(row + (heads + h) * dim, c, s, kbuf + slot * kv_row + h * dim, half);
+      }
+      std::memcpy(vbuf + slot * kv_row, row + (heads + kv_heads) * dim, kv_row * sizeof(float));
+    }
+  });
+}
+
+torch::Tensor rope_store_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
+                            const torch::Tensor& sin, torch::Tensor& k_buffer,
+                            torch::Tensor& v_buffer, const torch::Tensor& loc, int64_t heads,
+                            int64_t kv_heads) {
+  check_rows(qkv, "qkv");
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.size(1) == kv_heads,
+              "k_buffer: [slots, kv_heads, head_dim] is expected");
+  const int64_t dim = k_buffer.size(2), slots = k_buffer.size(0);
+  TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv: [T, (heads + 2 kv_heads) D]");
+  for (const auto* b : {&k_buffer, &v_buffer}) {
+    TORCH_CHECK(b->scalar_type() == torch::kFloat32 && b->is_contiguous() &&
+                    b->sizes() == k_buffer.sizes() && b->device().is_cpu(),
+                "k_buffer, v_buffer: contiguous float32 CPU pools of one shape");
+  }
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+                    t->numel() == tokens * (dim / 2),
+                "cos, sin: contiguous float32 [T, head_dim / 2]");
+  }
+  TORCH_CHECK(loc.dim() == 1 && loc.size(0) == tokens && loc.is_contiguous() &&
+                  (loc.scalar_type() == torch::kInt64 || loc.scalar_type() == torch::kInt32),
+              "loc: contiguous int32 or int64 [T]");
+  auto q = torch::empty({tokens, heads, dim}, qkv.options());
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kp = k_buffer.data_ptr<float>();
+  float* vp = v_buffer.data_ptr<float>();
+  if (loc.scalar_type() == torch::kInt64) {
+    const int64_t* lp = loc.data_ptr<int64_t>();
+    check_slots(lp, tokens, slots);
+    rope_store_rows(qkv.data_ptr<float>(), qkv.stride(0), cp, sp, lp, q.data_ptr<float>(), kp,
+                    vp, tokens, heads, kv_heads, dim);
+  } else {
+    const int32_t* lp = loc.data_ptr<int32_t>();
+    check_slots(lp, tokens, slots);
+    rope_store_rows(qkv.data_ptr<float>(), qkv.stride(0), cp, sp, lp, q.data_ptr<float>(), kp,
+                    vp, tokens, heads, kv_heads, dim);
+  }
+  return q;
+}
+
+// torch's silu, x / (1 + exp(-x)), then * up
+inline vec silu_mul_vec(vec g, vec u) {
+  const vec one = vset(1.0f);
+  return vmul(vdiv(g, vadd(one, vexp(vsub(vzero(), g)))), u);
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t lanes) {
+  check_rows(gate_up, "gate_up");
+  check_lanes(lanes);
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: [T, 2 * intermediate]");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = gp + t * stride;
+      const float* u = g + n;
+      float* o = op + t * n;
+      int64_t j = 0;
+      // torch vectorizes rows in blocks of 2 vectors of its width (8 or 16 here) and
+      // runs the rest through its scalar code (std::exp)
+      const int64_t blocked = n / (2 * lanes) * (2 * lanes);
+      for (; j + W <= blocked; j += W) vstore(o + j, silu_mul_vec(vload(g + j), vload(u + j)));
+      for (; j < n; ++j) o[j] = (g[j] / (1.0f + std::exp(-g[j]))) * u[j];  // torch's tail
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * weight over the rows of x");
+  m.def("add_rms_norm_", &add_rms_norm_,
+        "residual += delta (in place); returns rms_norm(residual, weight, eps)");
+  m.def("rope_store_kv", &rope_store_kv,
+        "rotate q and k of a fused qkv row block, store k and v at the pool slots; returns q");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2 I] gate_up block");
+  m.attr("vector_width") = W;
+}

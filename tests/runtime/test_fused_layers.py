@@ -1,0 +1,93 @@
+"""The decoder layers through fused_cpu.cpp (plait.kernels.fused_ops) in the real scheduler,
+driven in-process: the same logits as torch's operators bit for bit, on each architecture flag
+(qkv bias, q/k norms), over chunked extends, cache hits and batched decodes; greedy output
+equal to transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.args import ServerArgs
+from plait.kernels import fused_ops as fo
+from plait.models.tokenizer import load_tokenizer
+from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler_process import InProcessIO
+from tests.runtime.test_isolation import outputs, submit
+from tests.runtime.test_parity import hf_reference, make_prompts
+from tests.runtime.test_scheduler import drain
+
+pytestmark = pytest.mark.model
+
+KERNELS = ("rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul")
+
+
+@pytest.fixture(scope="module")
+def ops() -> fo.FusedOps:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the fused operators need AVX2")
+    assert fo.start_fused_ops(block=True), "fused_cpu.cpp failed to build"
+    return fo.fused_ops()
+
+
+@pytest.fixture
+def calls(ops, monkeypatch) -> dict[str, int]:
+    """How often each fused kernel ran (counted on the loaded FusedOps)."""
+    counts = dict.fromkeys(KERNELS, 0)
+    for name in KERNELS:
+        fn = getattr(ops, name)
+
+        def counted(*args, _fn=fn, _name=name):
+            counts[_name] += 1
+            return _fn(*args)
+
+        monkeypatch.setattr(ops, name, counted)
+    return counts
+
+
+def run(path: str, prompts: list[list[int]], max_new: int, **server_args):
+    """Greedy outputs by rid, and the logits of every forward in order."""
+    io = InProcessIO()
+    s = Scheduler(ServerArgs(model_path=path, **server_args), path, io, load_tokenizer(path))
+    logits = []
+    forward = s.runner.run
+
+    def capture(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        logits.append(out[0].clone())
+        return out
+
+    s.runner.run = capture
+    for i, p in enumerate(prompts):
+        submit(io, f"r{i}", p, max_new_tokens=max_new)
+    drain(s)
+    return outputs(io), logits
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_fused_layers_give_torchs_logits_bit_for_bit(checkpoint, calls, name):
+    path = checkpoint(name)
+    prompts = make_prompts(8, 8192, seed=2)  # shared prefixes: cache hits within the batch
+    args = dict(max_total_tokens=4096, chunked_prefill_size=32)
+    fused_out, fused_logits = run(path, prompts, 10, **args)
+    assert calls["rms_norm"] > 0 and calls["add_rms_norm_"] > 0 and calls["silu_mul"] > 0
+    if name == "tiny-qwen3":  # q/k norms before rotary: torch's rotary and KV store
+        assert calls["rope_store_kv"] == 0
+    else:
+        assert calls["rope_store_kv"] > 0
+    used = dict(calls)
+    torch_out, torch_logits = run(path, prompts, 10, disable_cpu_fused_ops=True, **args)
+    assert calls == used, "--disable-cpu-fused-ops still ran a fused kernel"
+    assert fused_out == torch_out
+    assert len(fused_logits) == len(torch_logits)
+    for step, (a, b) in enumerate(zip(fused_logits, torch_logits)):
+        assert torch.equal(a, b), f"forward {step}: logits differ by {(a - b).abs().max():.3g}"
+
+
+def test_fused_layers_match_transformers(tiny_llama, calls):
+    prompts = make_prompts(8, 8192, seed=3)
+    ref = hf_reference(tiny_llama, prompts, 12)
+    out, _ = run(tiny_llama, prompts, 12, max_total_tokens=4096)
+    assert calls["rope_store_kv"] > 0
+    for i, (ids, _) in enumerate(ref):
+        assert out[f"r{i}"] == ids, f"prompt {i}: tokens differ"
