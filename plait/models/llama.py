@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
                        ops: FusedOps) -> torch.Tensor:
         """forward's result through the fused operators (bit-identical to torch's, see
         fused_cpu.cpp). x, the embeddings [T, hidden], is the residual stream, updated in place."""
-        layers = self.model.layers
+        layers = list(self.model.layers)  # (slicing the ModuleList would build a new one)
         first = layers[0].input_layernorm
         h = ops.rms_norm(x, first.weight, first.eps)
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
