@@ -2,7 +2,9 @@
 
 Module names mirror Hugging Face's so checkpoints load by name. Tokens of a batch are
 flattened ([num_tokens, hidden]); attention goes through an AttentionBackend with the
-batch's metadata, so no model code knows the cache layout.
+batch's metadata, so no model code knows the cache layout. The one exception is the CPU's
+fused path (plait.kernels.fused_ops, `_forward_fused`): there rotary writes K and V straight
+into the pool rows at meta.out_cache_loc, for a backend that accepts_stored_kv.
 """
 
 from __future__ import annotations
