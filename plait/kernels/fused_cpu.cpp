@@ -16,9 +16,17 @@
 // -ffp-contract=off so that no multiply and add are merged into one FMA. Two places follow
 // torch's internals: RMSNorm's sum of squares is summed in the order of ATen's cascade sum, and
 // SiLU's exp is Sleef's expf, both at `lanes`, the width of torch's own vectors (8 or 16; the
-// loader finds it by comparing with torch).
+// loader finds it by comparing with torch). One known exception: SiLU over more than 32768
+// floats whose rows are no multiple of 32 wide, where torch's threads may split a row and move
+// its scalar tail (an element or so within 1 ulp; real models' MLP widths are multiples of 32).
 //
-// Built with -mavx512f where the CPU has AVX-512 (16-wide), else AVX2 + FMA (8-wide).
+// Measured (one thread, medians, A/B on the same busy machine): at 1 token add_rms_norm_
+// 1.5 us vs torch's 11.8 us, silu_mul 1.5 vs 4.7 us, rope_store_kv 1.6 vs 24.8 us; at 1024
+// tokens 93 vs 245 us, 450-535 vs 850-1000 us (memory-bound: it reads gate_up once), 80 vs
+// 584 us.
+//
+// Built with -mavx512f where the CPU has AVX-512 (16-wide), else AVX2 + FMA (8-wide): AVX-512
+// made silu_mul 1.6-1.9x faster at 32-1024 tokens (its exp), add_rms_norm_ 1.2x.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

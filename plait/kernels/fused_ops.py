@@ -4,15 +4,16 @@ loader, and the torch references the tests compare it against.
 A decode step of a small model spends milliseconds outside its matmuls and attention: per
 layer some 25 small torch operators (RMSNorm, residual adds, rotary, SiLU * up, the KV stores)
 and their views, each a few microseconds of dispatch over a few hundred floats. fused_cpu.cpp
-does each group in one pass (see its header). It is compiled with torch's cpp_extension in a
-background thread when a model runner starts (under a minute the first time, then loaded
-from torch's extension cache); until it is ready, on other CPUs or dtypes, or with
-`--disable-cpu-fused-ops`, the model runs the torch operators (these references).
+does each group in one pass (see its header), with results bit-identical to these torch
+references (which the model's unfused path runs). It is compiled with torch's cpp_extension in a
+background thread when a model runner starts (35 s the first time on this project's busy 2-core
+machine, then 0.2 s to load from torch's extension cache); until it is ready, on other CPUs or
+dtypes, or with `--disable-cpu-fused-ops`, the model runs the torch operators.
 
 torch.compile of the layer body was the other way; it was not taken for its start-up cost on
-this project's 2-core machine (measured on a busy machine, one small RMSNorm + SiLU function:
-importing dynamo/inductor 1.4-1.9 s, first compile 21 s, a warm-cache start 3.5 s more),
-against `plait generate`'s ~10 s warm start.
+the 2-core machine (measured there, busy, on one small RMSNorm + SiLU function: importing
+dynamo/inductor 1.4-1.9 s, the first compile 21 s, every later start 3.5 s more with a warm
+cache), against `plait generate`'s ~10 s warm start.
 """
 
 from __future__ import annotations
