@@ -27,7 +27,7 @@ from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_alloc
 from plait.models.config import ModelConfig
 from plait.models.weights import load_model, resolve_dtype
 from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
-from plait.runtime.thread_tuner import DECODE, EXTEND, ThreadTuner
+from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class ModelRunner:
             2 * args.max_running_requests + 8, self.context_length + 8, self.device
         )
         self.thread_tuner = _thread_tuner(args, self.device, self.tp)
+        self.host_load = HostLoad()  # the tuner's load level: other processes' cores
         self.perf_clock: Callable[[], float] = time.perf_counter  # times the tuned forwards
         logger.info(
             "model %s (%s, %s) on %s; KV pool %d tokens, attention %s%s",
@@ -231,12 +232,13 @@ class ModelRunner:
             return
         kind = DECODE if inputs.mode is ForwardMode.DECODE else EXTEND
         tokens = len(inputs.input_ids)
-        threads = tuner.choose(kind, tokens)
+        load = self.host_load.level(tuner.max_threads)
+        threads = tuner.choose(kind, tokens, load)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # ~0.1 us: OpenMP resizes its team lazily
         start = self.perf_clock()
         yield
-        tuner.record(kind, tokens, threads, self.perf_clock() - start)
+        tuner.record(kind, tokens, threads, self.perf_clock() - start, load)
 
     def thread_stats(self) -> dict:
         """The forward's thread count: the tuner's statistics, or the fixed count."""

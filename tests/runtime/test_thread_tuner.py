@@ -9,8 +9,10 @@ import pytest
 from plait.runtime.thread_tuner import (
     DECODE,
     EXTEND,
+    HostLoad,
     ThreadTuner,
     TunerConfig,
+    busy_seconds,
     candidate_counts,
     size_bucket,
 )
@@ -24,15 +26,17 @@ class FakeClock:
         return self.now
 
 
-def run(tuner: ThreadTuner, clock: FakeClock, cost, forwards: int, kind=DECODE, tokens=8):
+def run(
+    tuner: ThreadTuner, clock: FakeClock, cost, forwards: int, kind=DECODE, tokens=8, load=0
+):
     """Drive `forwards` forwards; cost(threads, clock.now) is one forward's seconds.
     Returns the thread count of each forward."""
     used = []
     for _ in range(forwards):
-        n = tuner.choose(kind, tokens)
+        n = tuner.choose(kind, tokens, load)
         seconds = cost(n, clock.now)
         clock.now += seconds
-        tuner.record(kind, tokens, n, seconds)
+        tuner.record(kind, tokens, n, seconds, load)
         used.append(n)
     return used
 
@@ -60,7 +64,7 @@ def test_starts_on_all_threads_and_converges_to_the_faster_count():
     used = run(tuner, clock, fixed({1: 0.028, 2: 0.042}), 200)
     assert used[0] == 2  # today's behaviour until something was measured
     assert used[-150:].count(1) >= 140  # a few probes of 2
-    assert tuner.stats()["keys"]["decode/8"]["best"] == 1
+    assert tuner.stats()["keys"]["decode/8@0"]["best"] == 1
     assert tuner.switches == 1
 
 
@@ -109,7 +113,7 @@ def test_noise_and_outliers_do_not_mislead_it(seed):
 
     used = run(tuner, clock, cost, 3000)
     assert used[-2000:].count(1) / 2000 > 0.85
-    assert tuner.keys[(DECODE, 8)].best == 1
+    assert tuner.keys[(DECODE, 8, 0)].best == 1
 
 
 def test_equal_counts_do_not_flap():
@@ -130,10 +134,10 @@ def test_sizes_and_kinds_are_tuned_apart():
         run(tuner, clock, large, 10, tokens=32)
         run(tuner, clock, large, 3, kind=EXTEND, tokens=1)
     keys = tuner.stats()["keys"]
-    assert keys["decode/1"]["best"] == 1
-    assert keys["decode/32"]["best"] == 2
-    assert keys["extend/1"]["best"] == 2
-    assert set(keys["decode/1"]["ms"]) == {"1", "2"}
+    assert keys["decode/1@0"]["best"] == 1
+    assert keys["decode/32@0"]["best"] == 2
+    assert keys["extend/1@0"]["best"] == 2
+    assert set(keys["decode/1@0"]["ms"]) == {"1", "2"}
 
 
 def test_a_new_size_starts_from_the_nearest_known_size():
@@ -190,7 +194,84 @@ def test_a_key_idle_mid_probe_probes_again_when_it_resumes():
     clock = FakeClock()
     tuner = ThreadTuner(2, clock)
     cost = fixed({1: 0.030, 2: 0.200})
-    assert run(tuner, clock, cost, 4) == [2, 2, 2, 1]  # the probe of 1 has begun
-    clock.now += 60.0  # no forwards of this size for a minute: every sample expired
+    assert run(tuner, clock, cost, 3) == [2, 2, 1]  # 0.4 s of forwards on 2, then a probe
+    clock.now += 120.0  # no forwards of this size for two minutes: every sample expired
     used = run(tuner, clock, cost, 20)
     assert used.count(2) <= 3 and used[-12:] == [1] * 12  # 2 runs again to compare
+
+
+def test_load_levels_are_learnt_apart_and_reused_when_the_load_returns():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    quiet, busy = fixed({1: 0.023, 2: 0.017}), fixed({1: 0.028, 2: 0.170})
+    run(tuner, clock, quiet, 100, load=0)
+    run(tuner, clock, busy, 100, load=1)
+    keys = tuner.stats()["keys"]
+    assert keys["decode/8@0"]["best"] == 2 and keys["decode/8@1"]["best"] == 1
+    clock.now += 30.0  # the competitor stops, and starts again
+    assert run(tuner, clock, quiet, 10, load=0).count(2) >= 7  # a re-probe of 1 at most
+    assert run(tuner, clock, busy, 10, load=1).count(1) >= 9  # 2: a probe of one forward
+
+
+def test_a_new_key_starts_from_its_load_level():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    run(tuner, clock, fixed({1: 0.023, 2: 0.017}), 50, load=0)
+    run(tuner, clock, fixed({1: 0.028, 2: 0.170}), 50, load=1)
+    assert tuner.choose(EXTEND, 2048, load=1) == 1  # a large prefill beside the competitor
+    assert tuner.choose(EXTEND, 2048, load=0) == 2
+
+
+def test_a_slow_forward_is_evidence_enough_on_its_own():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)  # one large prefill per request burst: 18 s on 2, 10 s on 1
+    used = run(tuner, clock, fixed({1: 10.0, 2: 18.0}), 6, kind=EXTEND, tokens=2048)
+    assert used == [2, 1, 1, 1, 1, 1]
+
+
+def test_busy_seconds_reads_proc_stat():
+    line = "cpu  800 100 50 9000 40 5 5 40 7 0"  # user nice system idle iowait irq softirq steal
+    assert busy_seconds(line, 100) == pytest.approx((800 + 100 + 50 + 5 + 5 + 40) / 100)
+
+
+class FakeHost:
+    def __init__(self) -> None:
+        self.busy = 0.0
+        self.own = 0.0
+
+
+def test_host_load_counts_the_cores_others_use():
+    clock, host = FakeClock(), FakeHost()
+    load = HostLoad(lambda: host.busy, lambda: host.own, clock, halflife_s=1.0)
+    assert load.level(2) == 0
+    for _ in range(20):  # 2 cores busy: 0.7 of them ours, 1.3 another process's
+        clock.now += 0.5
+        host.busy += 2.0 * 0.5
+        host.own += 0.7 * 0.5
+        level = load.level(2)
+    assert load.others == pytest.approx(1.3, rel=0.01) and level == 1
+    for _ in range(20):  # the other process left
+        clock.now += 0.5
+        host.busy += 0.9 * 0.5
+        host.own += 0.9 * 0.5
+        level = load.level(2)
+    assert load.others < 0.05 and level == 0
+
+
+def test_host_load_smooths_reads_rarely_and_caps_the_level():
+    clock, host = FakeClock(), FakeHost()
+    reads = []
+
+    def busy():
+        reads.append(clock.now)
+        return host.busy
+
+    load = HostLoad(busy, lambda: host.own, clock, halflife_s=1.0, min_interval_s=0.05)
+    load.level(2)
+    clock.now += 1.0
+    host.busy += 8.0  # 8 cores' worth in one second: a large host, capped at 2
+    assert load.level(2) == 2 and load.others == pytest.approx(4.0)  # half-life 1 s: half way
+    clock.now += 0.01
+    load.level(2)
+    assert len(reads) == 2  # 10 ms later: not read again
+    assert HostLoad(lambda: None, lambda: 0.0, clock).level(2) == 0  # no /proc/stat
