@@ -13,8 +13,9 @@ Competitors (started once, kept busy for the whole contended phase, then stopped
           (a second server under load on a shared host)
 
 Each repetition runs the workload quiet, then contended (the order reversed every other
-repetition); figures are medians. `--spin` sets how plait's children's OpenMP threads wait
-(for an A/B of plait/runtime/cpu_tuning.py's choice): `plait` leaves plait's own setting,
+repetition); figures are medians. `--spin` sets how the measured plait's children's OpenMP
+threads wait (an A/B of plait/runtime/cpu_tuning.py's choice; competitors keep their own
+settings): `plait` leaves plait's own setting,
 `bounded` spins briefly (GOMP_SPINCOUNT=20000, KMP_BLOCKTIME=1), `default` as OpenMP does by
 default (GOMP_SPINCOUNT=300000, KMP_BLOCKTIME=200). `--num-threads N` fixes plait's torch
 threads at N (the measured engine and the plait competitor), as before the adaptive thread
@@ -98,18 +99,32 @@ class Competitor:
                 self.proc.wait()
 
 
+def _plait_engine(name: str, model: str, args):
+    """plait, or a variant for an A/B within one run: plait-t2 (2 fixed threads),
+    plait-spin:default (its children wait as OpenMP does by default), plait-t2-spin:bounded."""
+    from benchmarks.engine import PlaitEngine
+
+    threads, spin = args.num_threads, args.spin
+    for part in name.split("-")[1:]:
+        if part[:1] == "t" and part[1:].isdigit():
+            threads = int(part[1:])
+        elif part.startswith("spin:") and part[5:] in SPIN:
+            spin = part[5:]
+        else:
+            raise SystemExit(f"contention: unknown plait variant {part!r} in {name!r}")
+    saved = dict(os.environ)
+    os.environ.update(SPIN[spin])  # the children read it when they start
+    try:
+        return PlaitEngine(name, model, log_level="warning", num_threads=threads)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _engines(names: set[str], model: str, workload: wl.SuiteWorkload, args) -> list:
     engines: list = []
-    if "plait" in names:
-        from benchmarks.engine import PlaitEngine
-
-        engines.append(PlaitEngine("plait", model, log_level="warning",
-                                   num_threads=args.num_threads))
-    for name in sorted(n for n in names if n.startswith("plait-t")):  # plait-t2: fixed 2 threads
-        from benchmarks.engine import PlaitEngine
-
-        engines.append(PlaitEngine(name, model, log_level="warning",
-                                   num_threads=int(name.removeprefix("plait-t"))))
+    for name in sorted(n for n in names if n == "plait" or n.startswith("plait-")):
+        engines.append(_plait_engine(name, model, args))
     if "vllm" in names:
         from benchmarks.run import LOGS, PeerWorker
 
@@ -144,7 +159,6 @@ def measure(args) -> dict:
 
     model = resolve_model_path(args.model)
     w = wl.suite(ModelConfig.from_dir(model).vocab_size, quick=args.quick)[args.workload]
-    os.environ.update(SPIN[args.spin])  # inherited by the engines' children
     engines = _engines(set(args.engines.split(",")), model, w, args)
     runs: dict = {e.name: {"quiet": [], "contended": []} for e in engines}
     try:
@@ -210,8 +224,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="plait-tiny")
     ap.add_argument("--engines", default="plait",
-                    help="subset of plait,vllm,llamacpp, and plait-tN: plait with N fixed threads "
-                         "(e.g. plait,plait-t2 compares the adaptive and the fixed count)")
+                    help="subset of plait,vllm,llamacpp, and plait variants: plait-tN (N fixed "
+                         "threads), plait-spin:default|bounded (its children's OpenMP wait), "
+                         "e.g. plait,plait-t2 compares the adaptive and the fixed count in one run")
     ap.add_argument("--gguf", action="append", default=None,
                     help="GGUF for llamacpp (default for smollm2: its Q4_1 file)")
     ap.add_argument("--repeats", type=int, default=3)

@@ -223,7 +223,7 @@ class _SchedulerCounters:
         for n, count in (threads.get("forwards_by_threads") or {}).items():
             family.add_metric([n], count)
         yield family
-        for key, doc in (("probes", "forwards runs of another thread count to re-measure it"),
+        for key, doc in (("probes", "runs of a thread count other than the best, to re-measure it"),
                          ("switches", "changes of a forward kind and size's best thread count")):
             family = CounterMetricFamily(f"plait_thread_{key}", f"adaptive threads: {doc}")
             family.add_metric([], threads.get(key, 0))
