@@ -3,7 +3,7 @@ measured engine, and the ratio (issue 13: plait must keep >= 0.5x of its quiet t
 
     python -m benchmarks.contention [--model plait-tiny|smollm2] [--engines plait,plait-t2,vllm,...]
         [--competitor matmul|plait] [--workload judge] [--repeats 3] [--quick]
-        [--spin plait|bounded|default] [--num-threads N]
+        [--spin plait|bounded|default] [--num-threads N] [--competitor-threads N]
     python -m benchmarks.run --contention ...   (the same, from the suite's entry point)
 
 Competitors (started once, kept busy for the whole contended phase, then stopped):
@@ -99,12 +99,10 @@ class Competitor:
                 self.proc.wait()
 
 
-def _plait_engine(name: str, model: str, args):
-    """plait, or a variant for an A/B within one run: plait-t2 (2 fixed threads),
-    plait-spin:default (its children wait as OpenMP does by default), plait-t2-spin:bounded."""
-    from benchmarks.engine import PlaitEngine
-
-    threads, spin = args.num_threads, args.spin
+def plait_variant(name: str, threads: int | None, spin: str) -> tuple[int | None, str]:
+    """(threads, spin) of plait or a variant for an A/B within one run: plait-t2 (2 fixed
+    threads), plait-spin:default (its children wait as OpenMP does by default),
+    plait-t2-spin:bounded; plain `plait` keeps the defaults given."""
     for part in name.split("-")[1:]:
         if part[:1] == "t" and part[1:].isdigit():
             threads = int(part[1:])
@@ -112,6 +110,13 @@ def _plait_engine(name: str, model: str, args):
             spin = part[5:]
         else:
             raise SystemExit(f"contention: unknown plait variant {part!r} in {name!r}")
+    return threads, spin
+
+
+def _plait_engine(name: str, model: str, args):
+    from benchmarks.engine import PlaitEngine
+
+    threads, spin = plait_variant(name, args.num_threads, args.spin)
     saved = dict(os.environ)
     os.environ.update(SPIN[spin])  # the children read it when they start
     try:
@@ -167,7 +172,8 @@ def measure(args) -> dict:
         for rep in range(args.repeats):
             phases = ("quiet", "contended") if rep % 2 == 0 else ("contended", "quiet")
             for phase in phases:
-                comp = (Competitor(args.competitor, model, args.num_threads)
+                comp_threads = args.competitor_threads or args.num_threads
+                comp = (Competitor(args.competitor, model, comp_threads)
                         if phase == "contended" else None)
                 try:
                     for e in engines if rep % 2 == 0 else engines[::-1]:  # A/B alternately
@@ -193,6 +199,7 @@ def measure(args) -> dict:
         out[name]["threads"] = stats
     return {"model": args.model, "workload": w.description, "competitor": args.competitor,
             "spin": args.spin, "num_threads": args.num_threads or "adaptive",
+            "competitor_threads": args.competitor_threads or args.num_threads or "adaptive",
             "repeats": args.repeats, "cpus": os.cpu_count(), "engines": out}
 
 
@@ -215,6 +222,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "OpenMP's default (an A/B of plait/runtime/cpu_tuning.py's choice)")
     ap.add_argument("--num-threads", type=int, default=None,
                     help="fix plait's torch threads at N (default: plait's adaptive count)")
+    ap.add_argument("--competitor-threads", type=int, default=None,
+                    help="the plait competitor's fixed threads (default: as --num-threads)")
 
 
 def main(argv=None) -> int:
