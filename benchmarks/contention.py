@@ -1,9 +1,9 @@
 """Throughput under CPU contention: quiet vs with a CPU-heavy competitor process beside the
 measured engine, and the ratio (issue 13: plait must keep >= 0.5x of its quiet throughput).
 
-    python -m benchmarks.contention [--model plait-tiny|smollm2] [--engines plait,vllm,llamacpp]
+    python -m benchmarks.contention [--model plait-tiny|smollm2] [--engines plait,plait-t2,vllm,...]
         [--competitor matmul|plait] [--workload judge] [--repeats 3] [--quick]
-        [--spin bounded|default]
+        [--spin plait|bounded|default] [--num-threads N] [--competitor-threads N]
     python -m benchmarks.run --contention ...   (the same, from the suite's entry point)
 
 Competitors (started once, kept busy for the whole contended phase, then stopped):
@@ -13,9 +13,14 @@ Competitors (started once, kept busy for the whole contended phase, then stopped
           (a second server under load on a shared host)
 
 Each repetition runs the workload quiet, then contended (the order reversed every other
-repetition); figures are medians. `--spin default` launches plait's children with OpenMP's
-default spinning (GOMP_SPINCOUNT=300000, KMP_BLOCKTIME=200), i.e. as before the bounded wait
-of plait/runtime/cpu_tuning.py, for an A/B of that fix.
+repetition); figures are medians. `--spin` sets how the measured plait's children's OpenMP
+threads wait (an A/B of plait/runtime/cpu_tuning.py's choice; competitors keep their own
+settings): `plait` leaves plait's own setting,
+`bounded` spins briefly (GOMP_SPINCOUNT=20000, KMP_BLOCKTIME=1), `default` as OpenMP does by
+default (GOMP_SPINCOUNT=300000, KMP_BLOCKTIME=200). `--num-threads N` fixes plait's torch
+threads at N (the measured engine and the plait competitor), as before the adaptive thread
+count (plait/runtime/thread_tuner.py); without it plait adapts, and the result records its
+thread statistics at the end.
 
 Writes benchmarks/results/contention.json and prints a markdown table.
 """
@@ -36,7 +41,11 @@ from benchmarks import workloads as wl
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-DEFAULT_SPIN = {"GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "200"}
+SPIN = {
+    "plait": {},
+    "bounded": {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"},
+    "default": {"GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "200"},
+}
 
 _MATMUL = """
 import torch, time
@@ -51,9 +60,9 @@ import sys
 import plait
 from benchmarks import workloads as wl
 from plait.models.config import ModelConfig
-model = sys.argv[1]
+model, threads = sys.argv[1], int(sys.argv[2]) or None
 w = wl.decode(ModelConfig.from_dir(model).vocab_size, n=16, prompt_len=128, out=64)
-with plait.Engine(model, log_level="warning") as eng:
+with plait.Engine(model, log_level="warning", num_threads=threads) as eng:
     print("ready", flush=True)
     while True:
         eng.flush_cache()
@@ -65,12 +74,13 @@ with plait.Engine(model, log_level="warning") as eng:
 class Competitor:
     """A CPU-heavy process beside the measured engine, in its own process group."""
 
-    def __init__(self, kind: str, model: str) -> None:
+    def __init__(self, kind: str, model: str, num_threads: int | None = None) -> None:
         code = {"matmul": _MATMUL, "plait": _PLAIT}[kind]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
         self.kind = kind
-        self.proc = subprocess.Popen([sys.executable, "-c", code, model], env=env,
+        argv = [sys.executable, "-c", code, model, str(num_threads or 0)]
+        self.proc = subprocess.Popen(argv, env=env,
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
         if kind == "plait":  # busy once its engine is up
             line = self.proc.stdout.readline()
@@ -89,12 +99,37 @@ class Competitor:
                 self.proc.wait()
 
 
+def plait_variant(name: str, threads: int | None, spin: str) -> tuple[int | None, str]:
+    """(threads, spin) of plait or a variant for an A/B within one run: plait-t2 (2 fixed
+    threads), plait-spin:default (its children wait as OpenMP does by default),
+    plait-t2-spin:bounded; plain `plait` keeps the defaults given."""
+    for part in name.split("-")[1:]:
+        if part[:1] == "t" and part[1:].isdigit():
+            threads = int(part[1:])
+        elif part.startswith("spin:") and part[5:] in SPIN:
+            spin = part[5:]
+        else:
+            raise SystemExit(f"contention: unknown plait variant {part!r} in {name!r}")
+    return threads, spin
+
+
+def _plait_engine(name: str, model: str, args):
+    from benchmarks.engine import PlaitEngine
+
+    threads, spin = plait_variant(name, args.num_threads, args.spin)
+    saved = dict(os.environ)
+    os.environ.update(SPIN[spin])  # the children read it when they start
+    try:
+        return PlaitEngine(name, model, log_level="warning", num_threads=threads)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _engines(names: set[str], model: str, workload: wl.SuiteWorkload, args) -> list:
     engines: list = []
-    if "plait" in names:
-        from benchmarks.engine import PlaitEngine
-
-        engines.append(PlaitEngine("plait", model, log_level="warning"))
+    for name in sorted(n for n in names if n == "plait" or n.startswith("plait-")):
+        engines.append(_plait_engine(name, model, args))
     if "vllm" in names:
         from benchmarks.run import LOGS, PeerWorker
 
@@ -129,8 +164,6 @@ def measure(args) -> dict:
 
     model = resolve_model_path(args.model)
     w = wl.suite(ModelConfig.from_dir(model).vocab_size, quick=args.quick)[args.workload]
-    if args.spin == "default":
-        os.environ.update(DEFAULT_SPIN)  # inherited by the engines' children
     engines = _engines(set(args.engines.split(",")), model, w, args)
     runs: dict = {e.name: {"quiet": [], "contended": []} for e in engines}
     try:
@@ -139,15 +172,19 @@ def measure(args) -> dict:
         for rep in range(args.repeats):
             phases = ("quiet", "contended") if rep % 2 == 0 else ("contended", "quiet")
             for phase in phases:
-                comp = Competitor(args.competitor, model) if phase == "contended" else None
+                comp_threads = args.competitor_threads or args.num_threads
+                comp = (Competitor(args.competitor, model, comp_threads)
+                        if phase == "contended" else None)
                 try:
-                    for e in engines:
+                    for e in engines if rep % 2 == 0 else engines[::-1]:  # A/B alternately
                         secs, _ = e.run_suite(w)
                         runs[e.name][phase].append(secs)
                         print(f"  rep {rep} {phase:9s} {e.name:12s} {secs:8.2f} s", flush=True)
                 finally:
                     if comp is not None:
                         comp.close()
+        threads = {e.name: e.engine.get_server_info()["threads"]
+                   for e in engines if hasattr(e, "engine")}
     finally:
         for e in engines:
             e.close()
@@ -158,14 +195,18 @@ def measure(args) -> dict:
             "quiet_req_s": w.num_requests / quiet, "contended_req_s": w.num_requests / contended,
             "contended_vs_quiet": quiet / contended, "runs_s": r,
         }
+    for name, stats in threads.items():
+        out[name]["threads"] = stats
     return {"model": args.model, "workload": w.description, "competitor": args.competitor,
-            "spin": args.spin, "repeats": args.repeats, "cpus": os.cpu_count(), "engines": out}
+            "spin": args.spin, "num_threads": args.num_threads or "adaptive",
+            "competitor_threads": args.competitor_threads or args.num_threads or "adaptive",
+            "repeats": args.repeats, "cpus": os.cpu_count(), "engines": out}
 
 
 def markdown(res: dict) -> str:
     lines = [f"## Throughput under contention — {res['model']}, {res['workload']}", "",
-             f"competitor: {res['competitor']}; OpenMP spin: {res['spin']}; medians of "
-             f"{res['repeats']}", "",
+             f"competitor: {res['competitor']}; OpenMP spin: {res['spin']}; plait threads: "
+             f"{res['num_threads']}; medians of {res['repeats']}", "",
              "| engine | quiet req/s | contended req/s | contended / quiet |", "|---|---|---|---|"]
     for name, r in res["engines"].items():
         lines.append(f"| {name} | {r['quiet_req_s']:.2f} | {r['contended_req_s']:.2f} | "
@@ -176,9 +217,13 @@ def markdown(res: dict) -> str:
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--competitor", choices=("matmul", "plait"), default="matmul")
     ap.add_argument("--workload", default="judge", choices=("judge", "decode", "json", "tree"))
-    ap.add_argument("--spin", choices=("bounded", "default"), default="bounded",
-                    help="plait children's OpenMP waiting: plait's bounded spin, or OpenMP's "
-                         "default (the A/B of the fix)")
+    ap.add_argument("--spin", choices=tuple(SPIN), default="plait",
+                    help="plait children's OpenMP waiting: plait's choice, a bounded spin, or "
+                         "OpenMP's default (an A/B of plait/runtime/cpu_tuning.py's choice)")
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="fix plait's torch threads at N (default: plait's adaptive count)")
+    ap.add_argument("--competitor-threads", type=int, default=None,
+                    help="the plait competitor's fixed threads (default: as --num-threads)")
 
 
 def main(argv=None) -> int:
@@ -187,7 +232,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="plait-tiny")
-    ap.add_argument("--engines", default="plait", help="subset of plait,vllm,llamacpp")
+    ap.add_argument("--engines", default="plait",
+                    help="subset of plait,vllm,llamacpp, and plait variants: plait-tN (N fixed "
+                         "threads), plait-spin:default|bounded (its children's OpenMP wait), "
+                         "e.g. plait,plait-t2 compares the adaptive and the fixed count in one run")
     ap.add_argument("--gguf", action="append", default=None,
                     help="GGUF for llamacpp (default for smollm2: its Q4_1 file)")
     ap.add_argument("--repeats", type=int, default=3)

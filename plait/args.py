@@ -148,7 +148,10 @@ class ServerArgs:
     speculative_ngram_min_match: int = _opt(1, "shortest n-gram matched for --speculative-ngram")
     random_seed: int = _opt(0, "seed for sampling of requests that give no seed")
     num_threads: int | None = _opt(
-        None, "torch CPU threads in the scheduler (default: all cores, split between TP ranks)"
+        None, "torch CPU threads in the scheduler, N for every forward (default: adaptive: each "
+        "CPU forward runs on 1, 2, 4, ... up to all cores, whichever its measured forward times "
+        "favour, re-measured every few seconds since other processes' load comes and goes; "
+        "under tensor parallelism all cores split between the ranks)"
     )
     tp_size: int = _opt(
         1, "tensor parallelism: split the model's heads, MLP and vocabulary over N processes "
@@ -210,6 +213,10 @@ class ServerArgs:
                      "stream_interval", "tp_size", "dp_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int) or self.num_threads < 1
+        ):
+            raise ValueError(f"num_threads: must be a positive integer, got {self.num_threads!r}")
         if not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 0:
             raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram!r}")
         if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,7 @@ from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_alloc
 from plait.models.config import ModelConfig
 from plait.models.weights import load_model, resolve_dtype
 from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
+from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +124,9 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             2 * args.max_running_requests + 8, self.context_length + 8, self.device
         )
+        self.thread_tuner = _thread_tuner(args, self.device, self.tp)
+        self.host_load = HostLoad()  # the tuner's load level: other processes' cores
+        self.perf_clock: Callable[[], float] = time.perf_counter  # times the tuned forwards
         logger.info(
             "model %s (%s, %s) on %s; KV pool %d tokens, attention %s%s",
             model_path, cfg.architecture, self.dtype, self.device, pool_tokens,
@@ -214,11 +220,36 @@ class ModelRunner:
             self.forward_hook(inputs, logit_rows)
         elif self.tp.size > 1:
             raise RuntimeError("tensor parallel rank 0 has no forward_hook to reach the others")
-        logits, meta = self.run(inputs, logit_rows)
+        with self._tuned_threads(inputs):
+            logits, meta = self.run(inputs, logit_rows)
         return ForwardOutput(
             logits.cpu() if logits.device.type != "cpu" else logits,
             self.attn_backend.shared_kv_tokens(meta),
         )
+
+    @contextmanager
+    def _tuned_threads(self, inputs: ForwardInputs) -> Iterator[None]:
+        """Run the forward on the thread count the tuner picks and report its time (a
+        forward that raises reports nothing)."""
+        tuner = self.thread_tuner
+        if tuner is None:
+            yield
+            return
+        kind = DECODE if inputs.mode is ForwardMode.DECODE else EXTEND
+        tokens = len(inputs.input_ids)
+        load = self.host_load.level(tuner.max_threads)
+        threads = tuner.choose(kind, tokens, load)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # ~0.1 us: OpenMP resizes its team lazily
+        start = self.perf_clock()
+        yield
+        tuner.record(kind, tokens, threads, self.perf_clock() - start, load)
+
+    def thread_stats(self) -> dict:
+        """The forward's thread count: the tuner's statistics, or the fixed count."""
+        if self.thread_tuner is not None:
+            return self.thread_tuner.stats()
+        return {"mode": "fixed", "threads": torch.get_num_threads()}
 
     def run(
         self, inputs: ForwardInputs, logit_rows: list[int]
@@ -234,6 +265,25 @@ class ModelRunner:
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)]
         logits = self.model.compute_logits(hidden)  # [N, vocab] (this rank's rows under TP)
         return self.tp.gather_vocab(logits, self.config.vocab_size), meta
+
+
+def _thread_tuner(args: ServerArgs, device: torch.device, tp: TPGroup) -> ThreadTuner | None:
+    """Adaptive threads for a single CPU process with no --num-threads (plait/runtime/
+    thread_tuner.py says why). Not on CUDA (torch's CPU threads do not run the forward), nor
+    for tensor-parallel ranks: they meet at a collective in every layer, so one rank's count
+    cannot be tuned alone."""
+    cores = available_cores()
+    if device.type != "cpu" or tp.size > 1 or args.num_threads or cores < 2:
+        return None
+    return ThreadTuner(cores)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. under taskset or a cgroup
+    cpuset), not the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -260,6 +260,7 @@ class Scheduler:
             "cache_hit_rate": c["cached_tokens"] / max(1, c["prompt_tokens"]),
             "context_length": self.runner.context_length,
             "step_time": self.timer.summary(),
+            "threads": self.runner.thread_stats(),
             "grammar": self.constraints.stats(),
             # requests received per priority, and waiting now per priority (str keys: JSON)
             "requests_by_priority": {

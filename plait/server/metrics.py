@@ -17,7 +17,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from plait.io_struct import ReqState
 from plait.tokenizer.tokenizer_manager import TokenizerManager
@@ -191,6 +191,7 @@ class _SchedulerCounters:
             family = CounterMetricFamily(f"plait_{key}", doc)
             family.add_metric([], stats.get(key, 0))
             yield family
+        yield from self._threads(stats.get("threads") or {})
         grammar = stats.get("grammar") or {}
         for key, doc in self.GRAMMAR.items():
             family = CounterMetricFamily(f"plait_grammar_{key}", doc)
@@ -208,3 +209,22 @@ class _SchedulerCounters:
         )
         family.add_metric([], buckets, hist["sum"])
         yield family
+
+    @staticmethod
+    def _threads(threads: dict):
+        """The forward's torch thread count (plait/runtime/thread_tuner.py when adaptive)."""
+        family = GaugeMetricFamily("plait_forward_threads", "torch threads of the last forward")
+        family.add_metric([], threads.get("threads", 0))
+        yield family
+        family = CounterMetricFamily(
+            "plait_forwards_by_threads", "forward passes by torch thread count (adaptive threads)",
+            labels=["threads"],
+        )
+        for n, count in (threads.get("forwards_by_threads") or {}).items():
+            family.add_metric([n], count)
+        yield family
+        for key, doc in (("probes", "runs of a thread count other than the best, to re-measure it"),
+                         ("switches", "changes of a forward kind and size's best thread count")):
+            family = CounterMetricFamily(f"plait_thread_{key}", f"adaptive threads: {doc}")
+            family.add_metric([], threads.get(key, 0))
+            yield family

@@ -96,6 +96,11 @@ def test_serve_prints_url_and_sigint_stops_everything(tiny_llama):
             "8192",
             "--log-level",
             "warning",
+            # the 3000-token stream below must outlast 1 s + the 5 s grace period: on 2 fixed
+            # threads it takes ~7 s on the 2-core VM; adaptive threads (1 thread for the tiny
+            # model's forwards) finished it in 4.4 s, before the signal's deadline
+            "--num-threads",
+            "2",
         ],
         stdout=subprocess.PIPE,
         text=True,

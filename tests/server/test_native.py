@@ -319,6 +319,24 @@ def test_grammar_metrics(http):
     assert "plait_grammar_timeouts_total" in samples and "plait_decode_forwards_total" in samples
 
 
+def test_thread_count_in_server_info_and_metrics(http):
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    assert http.post("/generate", json={"text": "x", "sampling_params": params}).status_code == 200
+    threads = http.get("/get_server_info").json()["threads"]
+    samples = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples["plait_forward_threads"] >= 1
+    if threads["mode"] == "fixed":  # --num-threads, or a single core
+        return
+    by_threads = {k: v for k, v in samples.items() if k.startswith("plait_forwards_by_threads")}
+    assert sum(by_threads.values()) >= 8  # a prefill and 7 decode steps at least
+    assert sum(threads["forwards_by_threads"].values()) == sum(by_threads.values())
+    assert "plait_thread_probes_total" in samples and "plait_thread_switches_total" in samples
+
+
 def test_decode_shares_the_prefix_of_parallel_samples(http):
     # n=2 samples of one 60-word prompt hold the same cached prompt KV: decode reads it once
     text = " ".join(f"word{i}" for i in range(60))

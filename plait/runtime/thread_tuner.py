@@ -1,0 +1,327 @@
+"""Adaptive torch intra-op thread count for the scheduler's CPU forwards.
+
+Why: which thread count is fastest depends on what else runs on the host. On the project's
+2-core VM (SmolLM2 decode step, measured by the lead): quiet, 2 threads beat 1 (1.2x at batch
+1, 1.7x at batch 32); beside a process multiplying matrices on both cores, 1 thread won (batch
+1: 28 ms vs 42 ms, batch 32: 97 ms vs 165 ms), because each of a step's ~300 parallel regions
+waits at its barrier for a worker that the OS has descheduled behind the competitor. Neither
+fixed count is right on a shared host, and contention comes and goes, so the count is chosen
+from measured forward times and re-measured now and then.
+
+How: forwards are keyed by kind (decode / extend), size (tokens, power-of-two bins) and the
+host's load (HostLoad: the cores other processes used lately, rounded), so that a forward
+beside a competitor is compared with forwards beside one, and a rare forward (a large prefill)
+starts on what its load level learnt even when contention changed since it last ran. Per key
+the tuner runs the count that measured fastest (median of its recent forwards) and probes the
+alternatives: when one was never measured, when its estimate is older than `stale_after_s`
+(or `max_interval` forwards passed), and at once when the running count's time jumped or
+drifted; probes of a count measured k times slower are spaced so that they cost about
+`probe_budget` of the time, and one far slower stops after a single forward. Pure logic: the
+caller sets torch's thread count and times the forward (`choose`, then `record`); the clock
+and the host's counters are injectable for tests.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DECODE = "decode"
+EXTEND = "extend"
+
+
+def candidate_counts(max_threads: int) -> tuple[int, ...]:
+    """Powers of two below max_threads, and max_threads itself: (1, 2) on 2 cores, (1, 2, 4, 6)
+    on 6."""
+    if max_threads < 1:
+        raise ValueError(f"max_threads: must be >= 1, got {max_threads}")
+    counts = [1 << k for k in range(max_threads.bit_length()) if 1 << k < max_threads]
+    return (*counts, max_threads)
+
+
+def size_bucket(tokens: int) -> int:
+    """The power of two at or above tokens: 1, 2, 4 (3-4), 8 (5-8), ..."""
+    return 1 << max(0, tokens - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    probe_forwards: int = 3  # evidence: this many forwards, or forwards of probe_seconds ...
+    probe_seconds: float = 0.25  # ... in all (one forward of a large prefill is enough)
+    window: int = 8  # recent forwards of the running count whose median is its estimate
+    min_gap: int = 16  # forwards on the best count between two probes of a key, at least
+    max_interval: int = 256  # past the gap, a probe every this many forwards, or sooner ...
+    stale_after_s: float = 5.0  # ... when an estimate is older than this (contention changed)
+    forget_after_s: float = 60.0  # samples older than this no longer count at all
+    probe_budget: float = 0.03  # probes of a slower count may cost this share of the time
+    switch_margin: float = 0.05  # an alternative must be this much faster to take over
+    # contention came or went: the running count's last forwards (median) this much slower or
+    # faster than at the last decision, or one forward `jump` times slower, re-probe at once.
+    # Measured: 2 threads 2.5-10x slower beside a competitor, 1 thread 1.2-2.6x; a lost time
+    # slice makes one forward up to ~1.8x slower
+    drift_up: float = 2.0
+    drift_down: float = 1.5
+    jump: float = 3.0
+    give_up_ratio: float = 1.5  # a probe forward this much slower than the best ends the probe
+
+
+@dataclass
+class _Arm:
+    """One thread count's recent forward times within one key: (clock, seconds)."""
+
+    samples: deque = field(default_factory=lambda: deque(maxlen=16))
+    measured: bool = False  # ever measured (a never-measured count is probed first)
+
+    def prune(self, now: float, forget_after_s: float) -> None:
+        while self.samples and now - self.samples[0][0] > forget_after_s:
+            self.samples.popleft()
+
+    def median(self, last: int) -> float | None:
+        recent = [s for _, s in list(self.samples)[-last:]]
+        return statistics.median(recent) if recent else None
+
+    def newest(self) -> float:
+        return self.samples[-1][0] if self.samples else float("-inf")
+
+
+@dataclass
+class _Key:
+    best: int
+    arms: dict[int, _Arm]
+    gap: int  # forwards on the best count before the next probe (drift aside)
+    probing: int | None = None
+    probe_left: int = 0
+    may_give_up: bool = False  # not on a count's first probe: it pays one-off set-up costs
+    since_probe: int = 0
+    reference: float | None = None  # the best's estimate at the last decision
+    drifted: bool = False
+    recheck: bool = False  # probe again after the gap (the last probe switched or was void)
+
+
+class ThreadTuner:
+    """Picks torch's intra-op thread count per forward from measured forward times."""
+
+    def __init__(
+        self, max_threads: int, clock: Callable[[], float] = time.monotonic,
+        config: TunerConfig | None = None,
+    ) -> None:
+        self.candidates = candidate_counts(max_threads)
+        self.max_threads = max_threads
+        self.clock = clock
+        self.cfg = config or TunerConfig()
+        self.keys: dict[tuple[str, int, int], _Key] = {}
+        self.forwards = dict.fromkeys(self.candidates, 0)
+        self.probes = 0
+        self.switches = 0
+        self.current = max_threads  # the count of the last forward chosen
+        self.load = 0  # the load level of the last forward chosen
+
+    # ------------------------------------------------------------------ the two calls
+    def choose(self, kind: str, tokens: int, load: int = 0) -> int:
+        """The thread count to run the next forward of this kind and size with, on a host
+        whose other processes use about `load` cores (HostLoad.level)."""
+        key = self._key(kind, tokens, load)
+        now = self.clock()
+        for arm in key.arms.values():
+            arm.prune(now, self.cfg.forget_after_s)
+        if key.probing is None and self._probe_due(key, now):
+            self._start_probe(key)
+        if key.probing is None:
+            key.since_probe += 1
+        self.current = key.probing if key.probing is not None else key.best
+        self.load = load
+        self.forwards[self.current] += 1
+        return self.current
+
+    def record(self, kind: str, tokens: int, threads: int, seconds: float, load: int = 0) -> None:
+        """The forward chosen for (kind, tokens, load) ran on `threads` threads in `seconds`."""
+        key = self._key(kind, tokens, load)
+        arm = key.arms.get(threads)
+        if arm is None:
+            return  # a count the tuner does not run (set from outside)
+        arm.samples.append((self.clock(), seconds))
+        arm.measured = True
+        if threads == key.probing:
+            key.probe_left -= 1
+            best = key.arms[key.best].median(self.cfg.window)
+            clearly_slower = (
+                key.may_give_up and best is not None and seconds > self.cfg.give_up_ratio * best
+            )
+            if key.probe_left <= 0 or clearly_slower or self._enough(arm, self.cfg.probe_forwards):
+                self._decide(key)
+        elif threads == key.best:
+            self._check_drift(key, seconds)
+
+    # ------------------------------------------------------------------ policy
+    def _key(self, kind: str, tokens: int, load: int) -> _Key:
+        k = (kind, size_bucket(tokens), load)
+        key = self.keys.get(k)
+        if key is None:
+            key = _Key(
+                best=self._prior(*k),
+                arms={n: _Arm() for n in self.candidates},
+                gap=self.cfg.min_gap,
+            )
+            self.keys[k] = key
+        return key
+
+    def _prior(self, kind: str, bucket: int, load: int) -> int:
+        """A new key starts on the best count of the nearest decided key: the same load level
+        first, then the same kind, then the nearest size; else on all threads."""
+        known = sorted(
+            (abs(ld - load), kd != kind, abs(b.bit_length() - bucket.bit_length()), key.best)
+            for (kd, b, ld), key in self.keys.items() if key.reference is not None
+        )
+        return known[0][3] if known else self.max_threads
+
+    def _enough(self, arm: _Arm, count: int) -> bool:
+        """Whether the last `count` samples are evidence enough: probe_forwards of them, or
+        probe_seconds of forward time."""
+        recent = list(arm.samples)[-count:]
+        return len(recent) >= self.cfg.probe_forwards or sum(s for _, s in recent) >= (
+            self.cfg.probe_seconds
+        )
+
+    def _probe_due(self, key: _Key, now: float) -> bool:
+        if key.drifted:  # contention came or went: do not wait for the gap
+            return True
+        best = key.arms[key.best]
+        if not best.samples or not self._enough(best, self.cfg.window):
+            return False  # no estimate of the running count yet to compare a probe with
+        others = [a for n, a in key.arms.items() if n != key.best]
+        if any(not a.measured for a in others):
+            return True
+        if key.since_probe < key.gap:
+            return False
+        stale = any(now - a.newest() > self.cfg.stale_after_s for a in others)
+        return key.recheck or stale or key.since_probe >= self.cfg.max_interval
+
+    def _start_probe(self, key: _Key) -> None:
+        """Probe the alternative measured longest ago (never measured first)."""
+        alt = min((n for n in key.arms if n != key.best), key=lambda n: key.arms[n].newest())
+        key.may_give_up = key.arms[alt].measured
+        key.arms[alt].samples.clear()  # the probe's forwards alone make its estimate
+        key.probing, key.probe_left, key.since_probe = alt, self.cfg.probe_forwards, 0
+        self.probes += 1
+
+    def _decide(self, key: _Key) -> None:
+        alt = key.probing
+        key.probing, key.drifted = None, False
+        probe = key.arms[alt].median(self.cfg.probe_forwards)
+        best = key.arms[key.best].median(self.cfg.window)
+        if probe is None or best is None:  # the key sat idle mid-probe: its samples expired
+            key.recheck, key.since_probe = True, key.gap
+            return
+        key.recheck = probe < best * (1 - self.cfg.switch_margin)  # switched: check the old
+        if key.recheck:
+            key.best, key.reference, loser = alt, probe, best / probe
+            self.switches += 1
+        else:
+            key.reference, loser = best, probe / best
+        key.gap = self._gap(loser)
+
+    def _gap(self, slowdown: float) -> int:
+        """Forwards between probes so that probing a count `slowdown` times slower than the
+        best costs about probe_budget of the time (7x slower, one forward: every 200)."""
+        forwards = 1 if slowdown > self.cfg.give_up_ratio else self.cfg.probe_forwards
+        extra = forwards * max(0.0, slowdown - 1.0)
+        return max(self.cfg.min_gap, math.ceil(extra / self.cfg.probe_budget))
+
+    def _check_drift(self, key: _Key, seconds: float) -> None:
+        """Contention came or went: the best's samples from before the change go (they
+        describe another host) and a probe follows at once."""
+        if key.reference is None or key.drifted:
+            return
+        arm, k = key.arms[key.best], self.cfg.probe_forwards
+        if seconds > self.cfg.jump * key.reference:
+            keep = 1
+        elif len(arm.samples) >= k and not (
+            1 / self.cfg.drift_down < arm.median(k) / key.reference < self.cfg.drift_up
+        ):
+            keep = k
+        else:
+            return
+        while len(arm.samples) > keep:
+            arm.samples.popleft()
+        key.drifted = True
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict:
+        """What the scheduler reports: the count and load level now, forwards per count,
+        probes, switches, and per key (kind/size@load) its best count and recent median
+        forward time per count (ms)."""
+        keys = {}
+        for (kind, bucket, load), key in sorted(self.keys.items()):
+            ms = {str(n): round(1e3 * m, 3) for n, a in key.arms.items()
+                  if (m := a.median(self.cfg.window)) is not None}
+            keys[f"{kind}/{bucket}@{load}"] = {"best": key.best, "ms": ms}
+        return {
+            "mode": "adaptive", "max_threads": self.max_threads, "threads": self.current,
+            "load": self.load, "forwards_by_threads": {str(n): c for n, c in self.forwards.items()},
+            "probes": self.probes, "switches": self.switches, "keys": keys,
+        }
+
+
+# ----------------------------------------------------------------------------- host load
+def busy_seconds(proc_stat_line: str, ticks_per_second: int) -> float:
+    """CPU seconds all cores spent busy, from /proc/stat's first line ("cpu user nice system
+    idle iowait irq softirq steal ..."): everything but idle and iowait; steal (a VM's host
+    running something else) counts as busy, it is CPU this process cannot have."""
+    fields = [int(v) for v in proc_stat_line.split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / ticks_per_second
+
+
+def _host_busy_seconds() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            return busy_seconds(f.readline(), os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError):  # not Linux
+        return None
+
+
+def _own_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # all of this process's threads
+    return r.ru_utime + r.ru_stime
+
+
+class HostLoad:
+    """How many cores the host's other processes used lately: /proc/stat's busy time minus
+    this process's own, averaged with a half-life of `halflife_s`. ~30 us a reading; read at
+    most every `min_interval_s`."""
+
+    def __init__(
+        self, host_busy: Callable[[], float | None] = _host_busy_seconds,
+        own_cpu: Callable[[], float] = _own_cpu_seconds, clock: Callable[[], float] = time.monotonic,
+        halflife_s: float = 1.0, min_interval_s: float = 0.05,
+    ) -> None:
+        self.host_busy, self.own_cpu, self.clock = host_busy, own_cpu, clock
+        self.halflife_s, self.min_interval_s = halflife_s, min_interval_s
+        self.others = 0.0  # cores, smoothed
+        self._last: tuple[float, float, float] | None = None  # (clock, host busy, own cpu)
+
+    def level(self, max_level: int) -> int:
+        """The others' cores rounded, at most max_level (0 where /proc/stat is missing)."""
+        self._update()
+        return min(max_level, int(self.others + 0.5))
+
+    def _update(self) -> None:
+        now = self.clock()
+        if self._last is not None and now - self._last[0] < self.min_interval_s:
+            return
+        busy = self.host_busy()
+        if busy is None:
+            return
+        own = self.own_cpu()
+        if self._last is not None:
+            then, busy0, own0 = self._last
+            others = max(0.0, (busy - busy0) - (own - own0)) / (now - then)
+            weight = 1.0 - 0.5 ** ((now - then) / self.halflife_s)
+            self.others += weight * (others - self.others)
+        self._last = (now, busy, own)

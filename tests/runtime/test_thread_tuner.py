@@ -1,0 +1,277 @@
+"""ThreadTuner: the adaptive thread count, driven by a fake clock and made-up forward times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from plait.runtime.thread_tuner import (
+    DECODE,
+    EXTEND,
+    HostLoad,
+    ThreadTuner,
+    TunerConfig,
+    busy_seconds,
+    candidate_counts,
+    size_bucket,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(
+    tuner: ThreadTuner, clock: FakeClock, cost, forwards: int, kind=DECODE, tokens=8, load=0
+):
+    """Drive `forwards` forwards; cost(threads, clock.now) is one forward's seconds.
+    Returns the thread count of each forward."""
+    used = []
+    for _ in range(forwards):
+        n = tuner.choose(kind, tokens, load)
+        seconds = cost(n, clock.now)
+        clock.now += seconds
+        tuner.record(kind, tokens, n, seconds, load)
+        used.append(n)
+    return used
+
+
+def fixed(times: dict[int, float]):
+    return lambda n, now: times[n]
+
+
+def test_candidates_are_powers_of_two_up_to_the_maximum():
+    assert candidate_counts(1) == (1,)
+    assert candidate_counts(2) == (1, 2)
+    assert candidate_counts(6) == (1, 2, 4, 6)
+    assert candidate_counts(8) == (1, 2, 4, 8)
+    with pytest.raises(ValueError, match="max_threads"):
+        candidate_counts(0)
+
+
+def test_size_buckets_are_power_of_two_bins():
+    assert [size_bucket(t) for t in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
+
+
+def test_starts_on_all_threads_and_converges_to_the_faster_count():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    used = run(tuner, clock, fixed({1: 0.028, 2: 0.042}), 200)
+    assert used[0] == 2  # today's behaviour until something was measured
+    assert used[-150:].count(1) >= 140  # a few probes of 2
+    assert tuner.stats()["keys"]["decode/8@0"]["best"] == 1
+    assert tuner.switches == 1
+
+
+def test_keeps_all_threads_when_they_are_faster_and_probes_rarely():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    used = run(tuner, clock, fixed({1: 0.098, 2: 0.058}), 400)
+    assert used[-1] == 2 and tuner.switches == 0
+    # 1 thread is 1.7x slower: after its first probe, probes of it stop after one forward
+    assert used.count(1) <= 3 + 8
+    assert tuner.probes >= 3  # it is re-measured (stale after 5 s, about every 86 forwards)
+
+
+def test_follows_contention_as_it_comes_and_goes():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+
+    def cost(n, now):  # contended between t = 20 s and t = 60 s
+        contended = 20.0 <= now < 60.0
+        return {1: 0.028, 2: 0.042}[n] if contended else {1: 0.023, 2: 0.017}[n]
+
+    used, times = [], []
+    while clock.now < 80.0:
+        times.append(clock.now)
+        used += run(tuner, clock, cost, 1)
+
+    def share_on(count, start, end):
+        window = [n for t, n in zip(times, used) if start <= t < end]
+        return window.count(count) / len(window)
+
+    assert share_on(2, 5, 20) > 0.95  # quiet: two threads
+    assert share_on(1, 30, 60) > 0.9  # contended: one, within a few seconds of it starting
+    assert share_on(2, 70, 80) > 0.9  # quiet again: back to two
+    assert tuner.switches >= 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_and_outliers_do_not_mislead_it(seed):
+    rng = random.Random(seed)
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+
+    def cost(n, now):  # 1 thread 1.25x faster, +-20% noise, 10% of forwards lose a time slice
+        base = {1: 0.040, 2: 0.050}[n] * rng.uniform(0.8, 1.2)
+        return base + (0.03 if rng.random() < 0.1 else 0.0)
+
+    used = run(tuner, clock, cost, 3000)
+    assert used[-2000:].count(1) / 2000 > 0.85
+    assert tuner.keys[(DECODE, 8, 0)].best == 1
+
+
+def test_equal_counts_do_not_flap():
+    rng = random.Random(1)
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    run(tuner, clock, lambda n, now: 0.030 * rng.uniform(0.9, 1.1), 3000)
+    assert tuner.switches <= 10  # a switch needs a 5% margin; noise crosses it now and then
+
+
+def test_sizes_and_kinds_are_tuned_apart():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    small = fixed({1: 0.020, 2: 0.030})  # batch 1: one thread faster
+    large = fixed({1: 0.100, 2: 0.060})  # batch 32: two threads faster
+    for _ in range(20):  # the batch changes size back and forth
+        run(tuner, clock, small, 10, tokens=1)
+        run(tuner, clock, large, 10, tokens=32)
+        run(tuner, clock, large, 3, kind=EXTEND, tokens=1)
+    keys = tuner.stats()["keys"]
+    assert keys["decode/1@0"]["best"] == 1
+    assert keys["decode/32@0"]["best"] == 2
+    assert keys["extend/1@0"]["best"] == 2
+    assert set(keys["decode/1@0"]["ms"]) == {"1", "2"}
+
+
+def test_a_new_size_starts_from_the_nearest_known_size():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    run(tuner, clock, fixed({1: 0.028, 2: 0.042}), 50, tokens=8)
+    assert tuner.choose(DECODE, 16) == 1  # contention found at batch 8 holds at batch 16
+    assert tuner.choose(EXTEND, 16) == 1  # and for another kind, until it has its own
+    run(tuner, clock, fixed({1: 0.9, 2: 0.5}), 50, kind=EXTEND, tokens=1024)
+    assert tuner.choose(EXTEND, 32) == 2  # the nearest bucket of its own kind first
+
+
+def test_probes_of_a_much_slower_count_are_short_and_rare():
+    clock = FakeClock()
+    cost = fixed({1: 0.035, 2: 0.245})  # 2 threads 7x slower beside a competitor (measured)
+    tuner = ThreadTuner(2, clock)
+    run(tuner, clock, cost, 40)  # the first probe runs in full (one-off costs)
+    before, start = tuner.probes, clock.now
+    used = run(tuner, clock, cost, 2000)
+    probes = tuner.probes - before
+    assert probes >= 5 and used.count(2) == probes  # one forward each ...
+    assert probes * 0.245 / (clock.now - start) < 0.05  # ... and spaced: a few % of the time
+
+
+def test_stale_estimates_are_re_measured_after_a_while():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock, TunerConfig(stale_after_s=5.0, max_interval=10_000))
+    run(tuner, clock, fixed({1: 0.5, 2: 0.3}), 30)  # slow forwards: 16 take 4.8 s
+    before = tuner.probes
+    run(tuner, clock, fixed({1: 0.5, 2: 0.3}), 100)  # 30 s
+    assert 2 <= tuner.probes - before <= 30 / (16 * 0.3)
+
+
+def test_a_drift_of_the_running_count_triggers_a_probe_soon():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock, TunerConfig(stale_after_s=1e9, max_interval=10_000))
+    run(tuner, clock, fixed({1: 0.025, 2: 0.020}), 300)  # long settled: no staleness
+    used = run(tuner, clock, fixed({1: 0.025, 2: 0.060}), 40)  # contention arrives
+    assert used[-10:] == [1] * 10
+
+
+def test_a_count_set_from_outside_is_ignored_and_stats_report_counts():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    tuner.record(DECODE, 4, 3, 1.0)  # 3 is no candidate
+    run(tuner, clock, fixed({1: 0.028, 2: 0.042}), 30)
+    s = tuner.stats()
+    assert s["mode"] == "adaptive" and s["max_threads"] == 2 and s["threads"] == 1
+    assert sum(s["forwards_by_threads"].values()) == 30
+    assert s["probes"] >= 1 and s["switches"] == 1
+
+
+def test_a_key_idle_mid_probe_probes_again_when_it_resumes():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    cost = fixed({1: 0.030, 2: 0.200})
+    assert run(tuner, clock, cost, 3) == [2, 2, 1]  # 0.4 s of forwards on 2, then a probe
+    clock.now += 120.0  # no forwards of this size for two minutes: every sample expired
+    used = run(tuner, clock, cost, 20)
+    assert used.count(2) <= 3 and used[-12:] == [1] * 12  # 2 runs again to compare
+
+
+def test_load_levels_are_learnt_apart_and_reused_when_the_load_returns():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    quiet, busy = fixed({1: 0.023, 2: 0.017}), fixed({1: 0.028, 2: 0.170})
+    run(tuner, clock, quiet, 100, load=0)
+    run(tuner, clock, busy, 100, load=1)
+    keys = tuner.stats()["keys"]
+    assert keys["decode/8@0"]["best"] == 2 and keys["decode/8@1"]["best"] == 1
+    clock.now += 30.0  # the competitor stops, and starts again
+    assert run(tuner, clock, quiet, 10, load=0).count(2) >= 7  # a re-probe of 1 at most
+    assert run(tuner, clock, busy, 10, load=1).count(1) >= 9  # 2: a probe of one forward
+
+
+def test_a_new_key_starts_from_its_load_level():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    run(tuner, clock, fixed({1: 0.023, 2: 0.017}), 50, load=0)
+    run(tuner, clock, fixed({1: 0.028, 2: 0.170}), 50, load=1)
+    assert tuner.choose(EXTEND, 2048, load=1) == 1  # a large prefill beside the competitor
+    assert tuner.choose(EXTEND, 2048, load=0) == 2
+
+
+def test_a_slow_forward_is_evidence_enough_on_its_own():
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)  # one large prefill per request burst: 18 s on 2, 10 s on 1
+    used = run(tuner, clock, fixed({1: 10.0, 2: 18.0}), 6, kind=EXTEND, tokens=2048)
+    assert used == [2, 1, 1, 1, 1, 1]
+
+
+def test_busy_seconds_reads_proc_stat():
+    line = "cpu  800 100 50 9000 40 5 5 40 7 0"  # user nice system idle iowait irq softirq steal
+    assert busy_seconds(line, 100) == pytest.approx((800 + 100 + 50 + 5 + 5 + 40) / 100)
+
+
+class FakeHost:
+    def __init__(self) -> None:
+        self.busy = 0.0
+        self.own = 0.0
+
+
+def test_host_load_counts_the_cores_others_use():
+    clock, host = FakeClock(), FakeHost()
+    load = HostLoad(lambda: host.busy, lambda: host.own, clock, halflife_s=1.0)
+    assert load.level(2) == 0
+    for _ in range(20):  # 2 cores busy: 0.7 of them ours, 1.3 another process's
+        clock.now += 0.5
+        host.busy += 2.0 * 0.5
+        host.own += 0.7 * 0.5
+        level = load.level(2)
+    assert load.others == pytest.approx(1.3, rel=0.01) and level == 1
+    for _ in range(20):  # the other process left
+        clock.now += 0.5
+        host.busy += 0.9 * 0.5
+        host.own += 0.9 * 0.5
+        level = load.level(2)
+    assert load.others < 0.05 and level == 0
+
+
+def test_host_load_smooths_reads_rarely_and_caps_the_level():
+    clock, host = FakeClock(), FakeHost()
+    reads = []
+
+    def busy():
+        reads.append(clock.now)
+        return host.busy
+
+    load = HostLoad(busy, lambda: host.own, clock, halflife_s=1.0, min_interval_s=0.05)
+    load.level(2)
+    clock.now += 1.0
+    host.busy += 8.0  # 8 cores' worth in one second: a large host, capped at 2
+    assert load.level(2) == 2 and load.others == pytest.approx(4.0)  # half-life 1 s: half way
+    clock.now += 0.01
+    load.level(2)
+    assert len(reads) == 2  # 10 ms later: not read again
+    assert HostLoad(lambda: None, lambda: 0.0, clock).level(2) == 0  # no /proc/stat
