@@ -1,0 +1,164 @@
+"""The CPU decode attention kernel (attn_cpu.cpp) on the KV-slot layouts serving produces.
+
+    python -m benchmarks.decode_attention [--batches 1,8,32,64] [--context 280] [--prompt 128]
+        [--layouts contiguous,scheduler,served] [--baseline main] [--repeats 5] [--threads N]
+
+Every layout is made by plait's own allocator (KVPool's free stack), not by hand:
+  contiguous  each request's slots one ascending run (the best case, rarely served)
+  scheduler   a fresh pool: each prompt one run (one alloc per request), then one alloc(1) per
+              request per decode step, so a request's decode tokens sit B slots apart
+  served      the same, from a pool that earlier traffic has turned over (requests of random
+              lengths coming and going): prompts too land on scattered runs of slots
+One "step" is one call per layer over `--layers` separate K/V buffers (SmolLM2: 30): cycling
+through the layers as a forward does keeps the KV out of the last-level cache (one layer's
+KV at B=32 x 280 tokens is 13.8 MB, under this machine's 32 MB L3; 30 layers are 410 MB).
+Variants: this checkout's kernel (`new`) and the kernel source at git `--baseline` (`old`),
+built side by side, alternated within each repeat; medians, and old/new as a ratio. With
+`--threads 1` the clock is the thread's CPU time (robust to a neighbour taking the core, not
+to a neighbour's memory traffic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from plait.radix_cache.kv_pool import KVPool
+
+HKV, GROUP, HEAD_DIM = 3, 3, 64  # SmolLM2-135M
+
+
+def scheduler_slots(batch: int, prompt: int, context: int, served: bool, seed: int) -> tuple:
+    """Each request's KV slots as the scheduler allocates them: one alloc per prompt, then one
+    alloc(1) per request per decode step; `served`: from a pool whose free stack earlier
+    traffic has mixed up (see served_traffic)."""
+    size = 4 * batch * (context + 8) + 4096
+    pool = KVPool(size, 0, HKV, HEAD_DIM, torch.float32)
+    if served:
+        served_traffic(pool, batch, prompt, context, random.Random(seed))
+    rows = [[pool.alloc(prompt)] for _ in range(batch)]
+    for _ in range(context - prompt):
+        for r in rows:
+            r.append(pool.alloc(1))
+    return [torch.cat(r) for r in rows], size
+
+
+def served_traffic(pool: KVPool, batch: int, prompt: int, context: int, rng) -> None:
+    """`batch` requests at a time with random prompt and output lengths (around the measured
+    ones), each replaced by a new one when it finishes, until the pool has turned over twice;
+    finished requests free their slots in position order, as KVManager.release does without
+    the radix cache. The free stack ends up a mix of runs of all lengths."""
+    live: list[tuple[list, int]] = []
+    turned = 0
+    while turned < 2 * pool.size:
+        while len(live) < batch:
+            p = rng.randint(16, 2 * prompt)
+            live.append(([pool.alloc(p)], rng.randint(8, 2 * max(context - prompt, 8))))
+            turned += p
+        for r, _ in live:
+            r.append(pool.alloc(1))
+        turned += len(live)
+        for r, _ in [x for x in live if len(x[0]) > x[1]]:
+            pool.free(torch.cat(r))
+        live = [x for x in live if len(x[0]) <= x[1]]
+    for r, _ in rng.sample(live, len(live)):
+        pool.free(torch.cat(r))
+
+
+def contiguous_slots(batch: int, context: int) -> tuple[list, int]:
+    return [1 + b * (context + 8) + torch.arange(context) for b in range(batch)], batch * (
+        context + 8
+    ) + 8
+
+
+def load_old_kernel(ref: str):
+    from plait.kernels.cpp_build import load_extension
+
+    text = subprocess.run(
+        ["git", "show", f"{ref}:plait/kernels/attn_cpu.cpp"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent,
+    ).stdout
+    src = Path(tempfile.mkdtemp()) / "attn_cpu.cpp"
+    src.write_text(text)
+    return load_extension(
+        "plait_attn_cpu", src, ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=280)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--layouts", default="contiguous,scheduler,served")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--baseline", default="main", help="git ref of the old kernel ('' = none)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--avx2", action="store_true", help="also the new kernel built for AVX2")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import plait.kernels.cpu_attention as cpu
+
+    assert cpu.start_decode_kernel(block=True), "the decode kernel failed to build"
+    variants = {"new": cpu._kernel.decode_attention}
+    if args.avx2 and cpu._kernel.isa != "avx2":
+        variants["new-avx2"] = cpu.load_decode_kernel("avx2").decode_attention
+    if args.baseline:
+        variants["old"] = load_old_kernel(args.baseline).decode_attention
+    print(f"threads {torch.get_num_threads()}, kernel {cpu._kernel.isa}", flush=True)
+    for layout in args.layouts.split(","):
+        for b in [int(x) for x in args.batches.split(",")]:
+            run_case(layout, b, args, variants)
+    return 0
+
+
+def run_case(layout: str, batch: int, args, variants: dict) -> None:
+    if layout == "contiguous":
+        rows, size = contiguous_slots(batch, args.context)
+    else:
+        rows, size = scheduler_slots(batch, args.prompt, args.context, layout == "served", batch)
+    slots = torch.stack(rows)  # [B, L]
+    lens = torch.full((batch,), args.context, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, HKV, GROUP, HEAD_DIM, generator=gen)
+    shape = (size + 1, HKV, HEAD_DIM)
+    kv = [
+        (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        for _ in range(args.layers)
+    ]
+    outs = {n: fn(q, *kv[0], slots, lens, 0.125)[0] for n, fn in variants.items()}
+    if "old" in outs:
+        torch.testing.assert_close(outs["new"], outs["old"], atol=1e-5, rtol=1e-5)
+    # one thread: its CPU time, which a neighbour taking the core for a while does not inflate
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    per: dict[str, list[float]] = {n: [] for n in variants}
+    for _ in range(args.repeats):
+        for n, fn in variants.items():
+            t = clock()
+            for k, v in kv:
+                fn(q, k, v, slots, lens, 0.125)
+            per[n].append(clock() - t)
+    step = {n: statistics.median(ts) * 1e3 for n, ts in per.items()}
+    mb = 2 * batch * args.context * HKV * HEAD_DIM * 4 * args.layers / 1e6
+    line = f"{layout:10s} B={batch:3d} L={args.context}: " + ", ".join(
+        f"{n} {ms:6.2f} ms/step ({mb / ms:5.1f} GB/s)" for n, ms in step.items()
+    )
+    if "old" in step:
+        line += f"  old/new {step['old'] / step['new']:.2f}x"
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
