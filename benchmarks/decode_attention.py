@@ -12,6 +12,13 @@ Every layout is made by plait's own allocator (KVPool's free stack), not by hand
 One "step" is one call per layer over `--layers` separate K/V buffers (SmolLM2: 30): cycling
 through the layers as a forward does keeps the KV out of the last-level cache (one layer's
 KV at B=32 x 280 tokens is 13.8 MB, under this machine's 32 MB L3; 30 layers are 410 MB).
+
+`--scheduler`: instead, plait's Scheduler on `--model` (SmolLM2) in this process, B requests
+of `--prompt` random tokens decoding together (the slot layout is the scheduler's own); every
+`--steps` decode steps it switches between the new kernel, the old one and torch's path
+(`--disable-cpu-attention-kernel`), and reports the median step time and the time in the
+attention backend's forward per step (all layers).
+
 Variants: this checkout's kernel (`new`) and the kernel source at git `--baseline` (`old`),
 built side by side, alternated within each repeat; medians, and old/new as a ratio. With
 `--threads 1` the clock is the thread's CPU time (robust to a neighbour taking the core, not
@@ -104,6 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--baseline", default="main", help="git ref of the old kernel ('' = none)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--scheduler", action="store_true", help="A/B inside a real scheduler")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--avx2", action="store_true", help="also the new kernel built for AVX2")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
@@ -112,12 +122,16 @@ def main(argv=None) -> int:
     import plait.kernels.cpu_attention as cpu
 
     assert cpu.start_decode_kernel(block=True), "the decode kernel failed to build"
-    variants = {"new": cpu._kernel.decode_attention}
+    variants = {"new": cpu._kernel}  # name -> the kernel module
     if args.avx2 and cpu._kernel.isa != "avx2":
-        variants["new-avx2"] = cpu.load_decode_kernel("avx2").decode_attention
+        variants["new-avx2"] = cpu.load_decode_kernel("avx2")
     if args.baseline:
-        variants["old"] = load_old_kernel(args.baseline).decode_attention
+        variants["old"] = load_old_kernel(args.baseline)
     print(f"threads {torch.get_num_threads()}, kernel {cpu._kernel.isa}", flush=True)
+    if args.scheduler:
+        for b in [int(x) for x in args.batches.split(",")]:
+            run_scheduler(b, args, variants)
+        return 0
     for layout in args.layouts.split(","):
         for b in [int(x) for x in args.batches.split(",")]:
             run_case(layout, b, args, variants)
@@ -138,14 +152,15 @@ def run_case(layout: str, batch: int, args, variants: dict) -> None:
         (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
         for _ in range(args.layers)
     ]
-    outs = {n: fn(q, *kv[0], slots, lens, 0.125)[0] for n, fn in variants.items()}
+    fns = {n: mod.decode_attention for n, mod in variants.items()}
+    outs = {n: fn(q, *kv[0], slots, lens, 0.125)[0] for n, fn in fns.items()}
     if "old" in outs:
         torch.testing.assert_close(outs["new"], outs["old"], atol=1e-5, rtol=1e-5)
     # one thread: its CPU time, which a neighbour taking the core for a while does not inflate
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    per: dict[str, list[float]] = {n: [] for n in variants}
+    per: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(args.repeats):
-        for n, fn in variants.items():
+        for n, fn in fns.items():
             t = clock()
             for k, v in kv:
                 fn(q, k, v, slots, lens, 0.125)
@@ -157,6 +172,79 @@ def run_case(layout: str, batch: int, args, variants: dict) -> None:
     )
     if "old" in step:
         line += f"  old/new {step['old'] / step['new']:.2f}x"
+    print(line, flush=True)
+
+
+def run_scheduler(batch: int, args, variants: dict) -> None:
+    import plait.kernels.cpu_attention as cpu
+    from plait.args import ServerArgs
+    from plait.messages import TokenizedGenerateReq
+    from plait.models.resolve import resolve_model_path
+    from plait.models.tokenizer import load_tokenizer
+    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler_process import InProcessIO
+
+    path = str(resolve_model_path(args.model))
+    new_steps = (2 + 3 * args.repeats) * args.steps + 8
+    tokens = batch * (args.prompt + new_steps + 8) + 1024
+    io = InProcessIO()
+    server = ServerArgs(model_path=path, max_total_tokens=tokens, log_level="warning")
+    sched = Scheduler(server, path, io, load_tokenizer(path))
+    rng = random.Random(batch)
+    vocab = sched.runner.config.vocab_size
+    for i in range(batch):
+        ids = [rng.randrange(10, vocab - 10) for _ in range(args.prompt)]
+        io.inbox.put(
+            TokenizedGenerateReq(
+                rid=f"r{i}",
+                input_ids=ids,
+                sampling_params={
+                    "temperature": 0.0,
+                    "max_new_tokens": new_steps,
+                    "ignore_eos": True,
+                },
+            )
+        )
+    attn = sched.runner.attn_backend
+    spent = [0.0]
+    forward = attn.forward
+
+    def timed_forward(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return forward(*a, **kw)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    attn.forward = timed_forward
+    while sched.counters["decode_forwards"] < 2:
+        sched.step()
+    kinds = {n: (True, mod) for n, mod in variants.items()}
+    kinds["torch"] = (False, cpu._kernel)
+    step = {n: [] for n in kinds}
+    att = {n: [] for n in kinds}
+    kernel = cpu._kernel
+    try:
+        for _ in range(args.repeats):
+            for n, (use, mod) in kinds.items():
+                attn.use_cpu_kernel, cpu._kernel = use, mod
+                before = sched.counters["decode_forwards"]
+                spent[0] = 0.0
+                t = time.perf_counter()
+                for _ in range(args.steps):
+                    sched.step()
+                steps = sched.counters["decode_forwards"] - before
+                assert steps == args.steps, "a step that was not a decode step"
+                step[n].append((time.perf_counter() - t) / steps)
+                att[n].append(spent[0] / steps)
+    finally:
+        cpu._kernel, attn.use_cpu_kernel = kernel, True
+    ms = {n: (statistics.median(step[n]) * 1e3, statistics.median(att[n]) * 1e3) for n in kinds}
+    line = f"scheduler B={batch:3d} ctx {args.prompt}+: " + ", ".join(
+        f"{n} step {s:6.1f} ms (attention {a:5.1f})" for n, (s, a) in ms.items()
+    )
+    if "old" in ms:
+        line += f"  attention old/new {ms['old'][1] / ms['new'][1]:.2f}x"
     print(line, flush=True)
 
 

@@ -8,26 +8,31 @@
 // [B, Hkv, R] (for merging partial results over one sequence's split parts or with a shared
 // prefix's).
 //
-// Why it is shaped this way (measured on this project's 2-core AVX-512 EPYC with SmolLM2's
-// shapes, every one of the 30 layers' KV cycled so that it comes from memory, as in a forward:
-// one layer's KV at batch 32 x 280 tokens, 13.8 MB, fits the 32 MB L3, and a loop over one
-// layer measures the L3; benchmarks/decode_attention.py):
+// Why it is shaped this way (measured on this project's shared 2-core AVX-512 EPYC with SmolLM2's
+// shapes, each of the 30 layers' KV read in turn so that it comes from memory as in a forward
+// (one layer's KV at batch 32 x 280 tokens, 13.8 MB, fits the 32 MB L3: a loop over one layer
+// measures the L3); benchmarks/decode_attention.py, A/B alternated in one process):
 // * One task reads whole pool rows ([Hkv, D], 768 B) once, for every kv head, W tokens (one
-//   vector's worth) at a time: the W scores of a query row come from W independent dot
-//   products summed by one transposing add tree (vsum_each, ~3 instructions a score against
-//   ~8 for a horizontal sum each), and the block's K and V rows are read together (an online
-//   softmax), so that no pass depends on rows staying in a cache.
-// * Every cache line of the block's 2 x W rows is prefetched before the block is computed.
-//   The scheduler gives each request one slot per decode step (a request's tokens sit B slots
-//   apart) and a pool that has served a while hands out scattered prompt slots too; with the
-//   prefetches a block's misses are in flight together. Measured: without them the
-//   scattered layouts took 1.25-1.35x longer; prefetching the next block instead of the
-//   current one, or every other line, was no better or worse.
+//   vector's worth) at a time. The W scores of a query row come from W independent dot
+//   products summed by one transposing add tree (vsum_each: ~3 instructions a score against
+//   ~8 for a horizontal sum each), and each block's K and V rows are used together (an online
+//   softmax), so nothing depends on rows staying in a cache between passes. From cache this
+//   runs at ~40 ns a token (AVX-512; AVX2 ~50), near the FMA bound (1152 multiply-adds a
+//   token, 16 lanes a cycle on this core).
+// * Memory, not arithmetic, is the limit: a streaming read gets ~33 GB/s a core here, and a
+//   kernel that requested a block's rows only when it reached them got ~14 (fetch and compute
+//   in turn). Rows are scattered (the scheduler gives each request one slot per decode step,
+//   B slots apart, and a pool that has served a while hands out scattered prompt slots too),
+//   so the hardware prefetcher cannot run ahead; the kernel prefetches every line of the
+//   block PREFETCH_AHEAD tokens on. Issued all at once (2 x 16 rows = ~400 lines) the
+//   prefetches overflow the core's miss buffers and are lost; spread over the block's units of
+//   work (K rows while scoring, V rows during the V pass) they were 1.5x faster than a burst
+//   on contiguous, scheduler and served layouts alike. Further ahead, or into L2, was slower.
 // * Sequences are split into chunks of at least MIN_CHUNK keys when there are fewer than ~4
-//   chunks per thread (batch 1: the old kernel had Hkv = 3 tasks for 2 threads), merged by
-//   their log-sum-exps; threads take chunks from a shared counter.
-// * AVX-512 over AVX2 (the same source, built for each): fewer instructions for the same
-//   work (1.1-1.2x on contiguous slots); on a memory-bound step the two are alike.
+//   chunks per thread (batch 1 had Hkv = 3 tasks for 2 threads), merged by their
+//   log-sum-exps; threads take chunks from a shared counter.
+// * The same source is built for AVX-512 and for AVX2; AVX-512 needs fewer instructions (from
+//   cache 1.25x faster), on memory-bound steps the two measured alike.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -146,6 +151,7 @@ inline vec vexp(vec x) {
   return vpow2(p, n);
 }
 
+constexpr int64_t PREFETCH_AHEAD = W;  // tokens: one block (see the header)
 constexpr int64_t MIN_CHUNK = 64;   // keys per task at least (a split's merge has a cost)
 constexpr int64_t MAX_CHUNK = 1024; // keys per task at most (balance between threads)
 
@@ -234,7 +240,8 @@ struct Scratch {
 void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const float* vbuf,
                   const int64_t* slots, int64_t n, float* o_out, float* lse, Scratch& sc) {
   const int64_t H = sh.H, R = sh.R, D = sh.D, Dp = sh.Dp, HR = H * R;
-  const int64_t row = H * D;  // floats per pool row
+  const int64_t row = H * D;               // floats per pool row
+  const int64_t row_blocks = (R + 3) / 4;  // V-pass units of work per kv head
   const float neg_inf = -std::numeric_limits<float>::infinity();
   sc.p.resize(HR * W);
   sc.m.assign(HR, neg_inf);
@@ -244,12 +251,15 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
   float* p = sc.p.data();
   float* o = sc.o.data();
   alignas(64) float lane[W];
+  for (int64_t t = 0; t < std::min(PREFETCH_AHEAD, n); t++) {
+    prefetch_row(kbuf + slots[t] * row, row);
+    prefetch_row(vbuf + slots[t] * row, row);
+  }
   for (int64_t t0 = 0; t0 < n; t0 += W) {
     const int64_t nt = std::min(W, n - t0);
-    for (int64_t t = t0; t < t0 + nt; t++) {  // all 2 x W rows' lines requested at once
-      prefetch_row(kbuf + slots[t] * row, row);
-      prefetch_row(vbuf + slots[t] * row, row);
-    }
+    // tokens [pf0, pf1) get their K rows prefetched a few per score unit (one query row), and
+    // their V rows a few per V-pass unit (up to 4 query rows), not all at once (see header)
+    const int64_t pf0 = t0 + PREFETCH_AHEAD, pf1 = std::min(pf0 + W, n);
     const float* krow[W];
     const float* vrow[W];
     for (int64_t t = 0; t < W; t++) {  // past the end: the last row again (probability 0)
@@ -265,6 +275,7 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
       for (int64_t t = 0; t < W; t++) kh[t] = krow[t] + h * D;
       for (int64_t r = 0; r < R; r++) {
         const int64_t hr = h * R + r;
+        for (int64_t t = pf0 + hr; t < pf1; t += HR) prefetch_row(kbuf + slots[t] * row, row);
         const vec sv = score_block(qs + hr * Dp, kh, sh);
         // lanes past nt repeat the last row's score: the max is the block's
         const float m_new = std::max(sc.m[hr], vhmax(sv));
@@ -283,6 +294,8 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
       for (int64_t r0 = 0; r0 < R; r0 += 4) {
         const int64_t rb = std::min<int64_t>(4, R - r0);
         const int64_t hr = h * R + r0;
+        for (int64_t t = pf0 + h * row_blocks + r0 / 4; t < pf1; t += H * row_blocks)
+          prefetch_row(vbuf + slots[t] * row, row);
         for (int64_t j0 = 0; j0 < sh.nvec; j0 += 4) {
           const int64_t nv = std::min<int64_t>(4, sh.nvec - j0);
           const int64_t tail_here = (j0 + nv == sh.nvec) ? sh.tail : W;
