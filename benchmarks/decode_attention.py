@@ -17,7 +17,15 @@ KV at B=32 x 280 tokens is 13.8 MB, under this machine's 32 MB L3; 30 layers are
 of `--prompt` random tokens decoding together (the slot layout is the scheduler's own); every
 `--steps` decode steps it switches between the new kernel, the old one and torch's path
 (`--disable-cpu-attention-kernel`), and reports the median step time and the time in the
-attention backend's forward per step (all layers).
+attention backend's forward per step (all layers); with `--threads 1` in CPU time too.
+
+`--cascade`: instead, decode attention for requests sharing a cached prefix, at the shapes of
+benchmarks/workloads.py (judge: 64 requests on a 1000-token rubric with ~68 tokens each of
+their own; tree of thought, stage 2: 12 requests on a 500-token root with ~120 of their own),
+30 layers per step: main's path (the old kernel on each request's suffix; the prefix copied
+out of the pool with index_select, attended by torch's flash kernel, merged with torch ops)
+against this checkout's decode_attention_cpu (the kernel on suffixes and on the prefix in
+place, merged in C++).
 
 Variants: this checkout's kernel (`new`) and the kernel source at git `--baseline` (`old`),
 built side by side, alternated within each repeat; medians, and old/new as a ratio. With
@@ -112,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default="main", help="git ref of the old kernel ('' = none)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--scheduler", action="store_true", help="A/B inside a real scheduler")
+    ap.add_argument("--cascade", action="store_true", help="shared-prefix decode, judge/tree")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--avx2", action="store_true", help="also the new kernel built for AVX2")
@@ -128,6 +137,10 @@ def main(argv=None) -> int:
     if args.baseline:
         variants["old"] = load_old_kernel(args.baseline)
     print(f"threads {torch.get_num_threads()}, kernel {cpu._kernel.isa}", flush=True)
+    if args.cascade:
+        for name, n, prefix, own in (("judge", 64, 1000, 68), ("tree", 12, 500, 120)):
+            run_cascade(name, n, prefix, own, args, variants["old"])
+        return 0
     if args.scheduler:
         for b in [int(x) for x in args.batches.split(",")]:
             run_scheduler(b, args, variants)
@@ -175,6 +188,72 @@ def run_case(layout: str, batch: int, args, variants: dict) -> None:
     print(line, flush=True)
 
 
+def run_cascade(name: str, n: int, prefix: int, own: int, args, old) -> None:
+    import plait.kernels.cpu_attention as cpu
+    from plait.kernels.base import ForwardMode
+    from plait.kernels.testing import random_attention_batch
+
+    b = random_attention_batch(
+        [prefix + own] * n,
+        [1] * n,
+        HKV * GROUP,
+        HKV,
+        HEAD_DIM,
+        mode=ForwardMode.DECODE,
+        seed=0,
+        spare_slots=0,
+    )
+    rows, pools = b.meta.req_to_token, b.meta.req_pool_indices.tolist()
+    for m in pools[1:]:  # a radix-cache hit: every request's first slots are the first's
+        rows[m, :prefix] = rows[pools[0], :prefix]
+    layers = [(b.k_buffer.nan_to_num(0.5), b.v_buffer.nan_to_num(0.5))]
+    layers += [
+        (torch.randn_like(layers[0][0]), torch.randn_like(layers[0][1]))
+        for _ in range(args.layers - 1)
+    ]
+    plan = cpu.plan_decode(b.meta)
+    assert len(plan.groups) == 1 and plan.groups[0].slots.numel() == prefix
+    q, qg = b.q, b.q.view(n, HKV, GROUP, HEAD_DIM)
+
+    def main_path(k, v):  # plait/kernels/cpu_attention.py at the baseline, kernel on
+        out, lse = old.decode_attention(qg, k, v, plan.suffix_slots, plan.suffix_lens, 0.125)
+        g = plan.groups[0]
+        qs = qg.index_select(0, g.members).transpose(0, 1).reshape(1, HKV, n * GROUP, HEAD_DIM)
+        kp = k.index_select(0, g.slots).transpose(0, 1)[None]
+        vp = v.index_select(0, g.slots).transpose(0, 1)[None]
+        p_out, p_lse = cpu._attend(qs, kp, vp, None, 0.125)
+        p_out = p_out[0].view(HKV, n, GROUP, HEAD_DIM).transpose(0, 1)
+        p_lse = p_lse[0].view(HKV, n, GROUP).transpose(0, 1)
+        s_out, s_lse = out.index_select(0, g.members), lse.index_select(0, g.members)
+        new_lse = torch.logaddexp(p_lse, s_lse)
+        out[g.members] = (
+            p_out * torch.exp(p_lse - new_lse)[..., None]
+            + s_out * torch.exp(s_lse - new_lse)[..., None]
+        )
+        return out.reshape(n, HKV * GROUP, HEAD_DIM)
+
+    def new_path(k, v):
+        return cpu.decode_attention_cpu(q, k, v, b.meta, 0.125, use_kernel=True)
+
+    fns = {"old": main_path, "new": new_path}
+    torch.testing.assert_close(new_path(*layers[0]), main_path(*layers[0]), atol=1e-5, rtol=1e-5)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    per: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(args.repeats):
+        for key, fn in fns.items():
+            t = clock()
+            for k, v in layers:
+                fn(k, v)
+            per[key].append(clock() - t)
+    ms = {key: statistics.median(ts) * 1e3 for key, ts in per.items()}
+    print(
+        f"cascade {name}: {n} requests, {prefix} shared + {own} own tokens: "
+        f"old {ms['old']:.1f} ms/step, new {ms['new']:.1f} ms/step, "
+        f"old/new {ms['old'] / ms['new']:.2f}x",
+        flush=True,
+    )
+
+
 def run_scheduler(batch: int, args, variants: dict) -> None:
     import plait.kernels.cpu_attention as cpu
     from plait.args import ServerArgs
@@ -208,13 +287,14 @@ def run_scheduler(batch: int, args, variants: dict) -> None:
     attn = sched.runner.attn_backend
     spent = [0.0]
     forward = attn.forward
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
     def timed_forward(*a, **kw):
-        t = time.perf_counter()
+        t = clock()
         try:
             return forward(*a, **kw)
         finally:
-            spent[0] += time.perf_counter() - t
+            spent[0] += clock() - t
 
     attn.forward = timed_forward
     while sched.counters["decode_forwards"] < 2:
@@ -230,12 +310,12 @@ def run_scheduler(batch: int, args, variants: dict) -> None:
                 attn.use_cpu_kernel, cpu._kernel = use, mod
                 before = sched.counters["decode_forwards"]
                 spent[0] = 0.0
-                t = time.perf_counter()
+                t = clock()
                 for _ in range(args.steps):
                     sched.step()
                 steps = sched.counters["decode_forwards"] - before
                 assert steps == args.steps, "a step that was not a decode step"
-                step[n].append((time.perf_counter() - t) / steps)
+                step[n].append((clock() - t) / steps)
                 att[n].append(spent[0] / steps)
     finally:
         cpu._kernel, attn.use_cpu_kernel = kernel, True

@@ -268,6 +268,17 @@ def test_decode_kernel_gqa_shapes_and_head_dims(isa_kernel, kv_heads, rows_per_h
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("rows_per_head,head_dim", [(23, 64), (24, 64), (27, 72), (40, 16)])
+def test_decode_kernel_many_query_rows(isa_kernel, rows_per_head, head_dim):
+    # from 24 rows per kv head the scores are a small GEMM over the block's K transposed
+    gen = torch.Generator().manual_seed(rows_per_head)
+    rows = [torch.randperm(600, generator=gen)[:n] * 2 + 1 for n in (1, 17, 300)]
+    k, v = _poisoned_pool(rows, 2, head_dim, seed=rows_per_head)
+    q = torch.randn(3, 2, rows_per_head, head_dim, generator=gen)
+    _run_kernel(isa_kernel, q, k, v, rows)
+
+
+@pytest.mark.heavy
 def test_decode_kernel_many_query_rows_and_merge(isa_kernel):
     # a shared prefix: 64 members x 3 query heads = 192 rows per kv head over 1000 keys, then
     # merged into the members' suffix results as decode_attention_cpu does
