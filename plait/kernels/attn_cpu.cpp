@@ -227,7 +227,11 @@ inline vec score_block(const float* q, const float* const* krow, const Shape& sh
   }
   const int64_t j = sh.nvec - 1;
   const vec qv = vload(q + j * W);
-  for (int64_t t = 0; t < W; t++) acc[t] = vfma(qv, vload_n(krow[t] + j * W, sh.tail), acc[t]);
+  if (sh.tail == W) {
+    for (int64_t t = 0; t < W; t++) acc[t] = vfma(qv, vload(krow[t] + j * W), acc[t]);
+  } else {  // the row's last vector is partial: read nothing past it
+    for (int64_t t = 0; t < W; t++) acc[t] = vfma(qv, vload_n(krow[t] + j * W, sh.tail), acc[t]);
+  }
   return vsum_each(acc);
 }
 
