@@ -1,7 +1,7 @@
 """The CPU decode attention kernel (attn_cpu.cpp) on the KV-slot layouts serving produces.
 
     python -m benchmarks.decode_attention [--batches 1,8,32,64] [--context 280] [--prompt 128]
-        [--layouts contiguous,scheduler,served] [--baseline main] [--repeats 5] [--threads N]
+        [--layouts contiguous,scheduler,served] [--baseline 00bd50f] [--repeats 5] [--threads N]
 
 Every layout is made by plait's own allocator (KVPool's free stack), not by hand:
   contiguous  each request's slots one ascending run (the best case, rarely served)
@@ -117,7 +117,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--layouts", default="contiguous,scheduler,served")
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--baseline", default="main", help="git ref of the old kernel ('' = none)")
+    ap.add_argument(
+        "--baseline",
+        default="00bd50f",
+        help="git ref of the old kernel (default: main before the rewrite; '' = none)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--scheduler", action="store_true", help="A/B inside a real scheduler")
     ap.add_argument("--cascade", action="store_true", help="shared-prefix decode, judge/tree")
@@ -138,6 +142,7 @@ def main(argv=None) -> int:
         variants["old"] = load_old_kernel(args.baseline)
     print(f"threads {torch.get_num_threads()}, kernel {cpu._kernel.isa}", flush=True)
     if args.cascade:
+        assert "old" in variants, "--cascade compares against --baseline's kernel"
         for name, n, prefix, own in (("judge", 64, 1000, 68), ("tree", 12, 500, 120)):
             run_cascade(name, n, prefix, own, args, variants["old"])
         return 0
