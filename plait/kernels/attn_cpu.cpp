@@ -1,165 +1,530 @@
-// Decode attention over the KV pool for the CPU (AVX2 + FMA), reading K/V rows in place.
+// Decode attention over the KV pool for the CPU, reading K/V rows in place through slot lists.
+// Built twice from this one source (plait/kernels/cpu_attention.py picks at run time): with
+// -mavx512f... (16-float vectors, masked tails) and with -mavx2 -mfma (8-float vectors).
 //
-// The torch path gathers every request's K and V rows into a padded batch (index_select:
-// one read and one write of the KV it attends) and then runs torch's flash kernel over the
-// copy (a second read), shaped for long query blocks, not for one query row per request.
-// Here each (request, kv head) pair is one task: its G query heads (grouped-query heads of
-// that kv head) score every key row found through the request's slot list, a softmax, and
-// the weighted sum of the value rows. Output: out [B, Hkv, G, D] and the log-sum-exp of the
-// scaled scores [B, Hkv, G] (for merging with a shared prefix's partial result).
+// A sequence b has R query rows per kv head (a decode request: its G grouped-query heads; a
+// shared prefix: the G heads of each of its n members, R = n * G) and lens[b] KV rows found
+// through slots[b]. Output: out [B, Hkv, R, D] and the log-sum-exp of the scaled scores
+// [B, Hkv, R] (for merging partial results over one sequence's split parts or with a shared
+// prefix's).
+//
+// Why it is shaped this way (measured on this project's shared 2-core AVX-512 EPYC with SmolLM2's
+// shapes, each of the 30 layers' KV read in turn so that it comes from memory as in a forward
+// (one layer's KV at batch 32 x 280 tokens, 13.8 MB, fits the 32 MB L3: a loop over one layer
+// measures the L3); benchmarks/decode_attention.py, A/B alternated in one process):
+// * One task reads whole pool rows ([Hkv, D], 768 B) once, for every kv head, W tokens (one
+//   vector's worth) at a time. The W scores of a query row come from W independent dot
+//   products summed by one transposing add tree (vsum_each: ~3 instructions a score against
+//   ~8 for a horizontal sum each), and each block's K and V rows are used together (an online
+//   softmax), so nothing depends on rows staying in a cache between passes. From cache this
+//   runs at ~40 ns a token (AVX-512; AVX2 ~50), near the FMA bound (1152 multiply-adds a
+//   token, 16 lanes a cycle on this core).
+// * Memory, not arithmetic, is the limit: a streaming read gets ~33 GB/s a core here, and a
+//   kernel that requested a block's rows only when it reached them got ~14 (fetch and compute
+//   in turn). Rows are scattered (the scheduler gives each request one slot per decode step,
+//   B slots apart, and a pool that has served a while hands out scattered prompt slots too),
+//   so the hardware prefetcher cannot run ahead; the kernel prefetches every line of the
+//   block PREFETCH_AHEAD tokens on. Issued all at once (2 x 16 rows = ~400 lines) the
+//   prefetches overflow the core's miss buffers and are lost; spread over the block's units of
+//   work (K rows while scoring, V rows during the V pass) they were 1.5x faster than a burst
+//   on contiguous, scheduler and served layouts alike. Further ahead, or into L2, was slower.
+// * A shared prefix has many query rows per kv head (its n members' G heads; judge: 192): from
+//   GEMM_ROWS rows on, the block's K rows are transposed once and the scores are a small GEMM
+//   (score_rows_gemm), which does the multiply-adds without per-score sums.
+// * Sequences are split into chunks of at least MIN_CHUNK keys when there are fewer than ~4
+//   chunks per thread (batch 1 had Hkv = 3 tasks for 2 threads), merged by their
+//   log-sum-exps; threads take chunks from a shared counter.
+// * The same source is built for AVX-512 and for AVX2; AVX-512 needs fewer instructions (from
+//   cache 1.25x faster), on memory-bound steps the two measured alike.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
 namespace {
 
-inline float hsum(__m256 v) {
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+// the first n (1..W) floats at p, zeros after: reads nothing past p + n
+inline vec vload_n(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
+inline vec vround(vec x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline vec vpow2(vec p, vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+// lane i of the result = the sum of a[i]'s lanes (16 horizontal sums in 45 instructions)
+inline vec vsum_each(const vec* a) {
+  vec x[8], z[4], w[2];
+  for (int i = 0; i < 8; i++)  // per 128-bit block: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {  // per block: the block's sums of a, b, c, d
+    const __m512d p = _mm512_castps_pd(x[2 * i]), q = _mm512_castps_pd(x[2 * i + 1]);
+    z[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
+  }
+  for (int i = 0; i < 2; i++)  // blocks (0+1, 2+3) of each of two vectors
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                       _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+#else
+constexpr int64_t W = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload_n(const float* p, int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane));
+}
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float vsum(vec v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
   return _mm_cvtss_f32(lo);
 }
-
-inline float hmax(__m256 v) {
+inline float vhmax(vec v) {
   __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
   return _mm_cvtss_f32(lo);
 }
-
-// exp(x) for x <= 0 (softmax arguments): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, a
-// degree-6 polynomial for e^r (relative error ~2e-7, below fp32 attention's own rounding).
-inline __m256 exp_ps(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  x = _mm256_max_ps(x, lo);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
-  const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
-  r = _mm256_fnmadd_ps(n, ln2_lo, r);
-  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// lane i of the result = the sum of a[i]'s lanes
+inline vec vsum_each(const vec* a) {
+  vec x[4], z[2];
+  for (int i = 0; i < 4; i++)
+    x[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 2; i++) {
+    const __m256d p = _mm256_castps_pd(x[2 * i]), q = _mm256_castps_pd(x[2 * i + 1]);
+    z[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(p, q)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(p, q)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(z[0], z[1], 0x20),
+                       _mm256_permute2f128_ps(z[0], z[1], 0x31));
+}
+inline vec vpow2(vec p, vec n) {
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+#endif
 
-// one (request, kv head): q [G, D] -> out [G, D], lse [G]; scores [G, L] scratch
-void attend_one(const float* q, int64_t G, int64_t D, const float* kbuf, const float* vbuf,
-                int64_t row_stride, const int64_t* slots, int64_t L, float scale, float* out,
-                float* lse, std::vector<float>& scores) {
-  const int64_t Lp = (L + 7) & ~int64_t(7);
-  scores.resize(G * Lp);
-  // scores[g, l] = scale * q_g . k_l
-  for (int64_t l = 0; l < L; l++) {
-    const float* k = kbuf + slots[l] * row_stride;
-    for (int64_t g = 0; g < G; g++) {
-      const float* qg = q + g * D;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), acc);
-      scores[g * Lp + l] = hsum(acc) * scale;
+// exp(x) for x <= 0 (softmax arguments): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, a
+// degree-6 polynomial for e^r (relative error ~2e-7, below fp32 attention's own rounding).
+inline vec vexp(vec x) {
+  x = vmax(x, vset1(-87.0f));
+  vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vec r = vsub(x, vmul(n, vset1(0.693359375f)));
+  r = vsub(r, vmul(n, vset1(-2.12194440e-4f)));
+  vec p = vset1(1.0f / 720.0f);
+  p = vfma(p, r, vset1(1.0f / 120.0f));
+  p = vfma(p, r, vset1(1.0f / 24.0f));
+  p = vfma(p, r, vset1(1.0f / 6.0f));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.0f));
+  p = vfma(p, r, vset1(1.0f));
+  return vpow2(p, n);
+}
+
+constexpr int64_t PREFETCH_AHEAD = W;  // tokens: one block (see the header)
+constexpr int64_t MIN_CHUNK = 64;   // keys per task at least (a split's merge has a cost)
+constexpr int64_t MAX_CHUNK = 1024; // keys per task at most (balance between threads)
+
+// every cache line of one pool row (its first byte's line to its last byte's)
+inline void prefetch_row(const float* row, int64_t floats) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const int64_t bytes = floats * 4;
+  for (int64_t a = 0; a < bytes; a += 64) _mm_prefetch(p + a, _MM_HINT_T0);
+  _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
+}
+
+struct Shape {
+  int64_t H, R, D, nvec, tail, Dp;  // Dp = nvec * W, the padded row length of scratch rows
+};
+
+// o[r] = o[r] * alpha[r] + sum over the block's nt tokens of p[r][t] * v[t], for RB rows and
+// NV vectors of the row from float d0 (the last of them `tail` floats long when it ends the
+// row); o's rows are Dp floats apart, p's W.
+template <int RB, int NV>
+void v_block(const float* const* vrows, int64_t nt, const float* p, const float* alpha,
+             int64_t d0, int64_t nv_here, int64_t tail_here, float* o, int64_t o_stride) {
+  vec acc[RB][NV];
+  for (int r = 0; r < RB; r++) {
+    const vec a = vset1(alpha[r]);
+    for (int j = 0; j < NV; j++) acc[r][j] = vmul(vload(o + r * o_stride + d0 + j * W), a);
+  }
+  for (int64_t t = 0; t < nt; t++) {
+    const float* v = vrows[t] + d0;
+    vec vv[NV];
+    for (int j = 0; j < NV; j++)
+      vv[j] = (j == nv_here - 1 && tail_here < W) ? vload_n(v + j * W, tail_here) : vload(v + j * W);
+    for (int r = 0; r < RB; r++) {
+      const vec pr = vset1(p[r * W + t]);
+      for (int j = 0; j < NV; j++) acc[r][j] = vfma(pr, vv[j], acc[r][j]);
     }
   }
+  for (int r = 0; r < RB; r++)
+    for (int j = 0; j < NV; j++) vstore(o + r * o_stride + d0 + j * W, acc[r][j]);
+}
+
+using VBlockFn = void (*)(const float* const*, int64_t, const float*, const float*, int64_t,
+                          int64_t, int64_t, float*, int64_t);
+
+template <int RB>
+VBlockFn v_block_for(int64_t nv) {
+  switch (nv) {
+    case 1: return v_block<RB, 1>;
+    case 2: return v_block<RB, 2>;
+    case 3: return v_block<RB, 3>;
+    default: return v_block<RB, 4>;
+  }
+}
+
+VBlockFn v_block_fn(int64_t rb, int64_t nv) {
+  switch (rb) {
+    case 1: return v_block_for<1>(nv);
+    case 2: return v_block_for<2>(nv);
+    case 3: return v_block_for<3>(nv);
+    default: return v_block_for<4>(nv);
+  }
+}
+
+// the W scores s[t] = q . k_t of one query row against a block of W key rows (D floats each)
+inline vec score_block(const float* q, const float* const* krow, const Shape& sh) {
+  vec acc[W];
+  for (int64_t t = 0; t < W; t++) acc[t] = vzero();
+  for (int64_t j = 0; j < sh.nvec - 1; j++) {
+    const vec qv = vload(q + j * W);
+    for (int64_t t = 0; t < W; t++) acc[t] = vfma(qv, vload(krow[t] + j * W), acc[t]);
+  }
+  const int64_t j = sh.nvec - 1;
+  const vec qv = vload(q + j * W);
+  if (sh.tail == W) {
+    for (int64_t t = 0; t < W; t++) acc[t] = vfma(qv, vload(krow[t] + j * W), acc[t]);
+  } else {  // the row's last vector is partial: read nothing past it
+    for (int64_t t = 0; t < W; t++) acc[t] = vfma(qv, vload_n(krow[t] + j * W, sh.tail), acc[t]);
+  }
+  return vsum_each(acc);
+}
+
+// Many query rows against one block (a shared prefix's n members x G heads): the block's K
+// rows transposed once into kt [Dp, W], then scores s[r] = sum_d q[r, d] kt[d] as a small
+// GEMM, 8 rows at a time (no horizontal sums). qs: [R, Dp] of one kv head; s: [R, W].
+void score_rows_gemm(const float* qs, int64_t R, const float* const* kh, const Shape& sh,
+                     float* kt, float* s) {
+  for (int64_t t = 0; t < W; t++)
+    for (int64_t d = 0; d < sh.D; d++) kt[d * W + t] = kh[t][d];
+  for (int64_t d = sh.D; d < sh.Dp; d++)
+    for (int64_t t = 0; t < W; t++) kt[d * W + t] = 0.0f;
+  int64_t r0 = 0;
+  for (; r0 + 8 <= R; r0 += 8) {
+    vec acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = vzero();
+    const float* q = qs + r0 * sh.Dp;
+    for (int64_t d = 0; d < sh.Dp; d++) {
+      const vec k = vload(kt + d * W);
+      for (int i = 0; i < 8; i++) acc[i] = vfma(vset1(q[i * sh.Dp + d]), k, acc[i]);
+    }
+    for (int i = 0; i < 8; i++) vstore(s + (r0 + i) * W, acc[i]);
+  }
+  for (; r0 < R; r0++) {
+    vec acc = vzero();
+    for (int64_t d = 0; d < sh.Dp; d++)
+      acc = vfma(vset1(qs[r0 * sh.Dp + d]), vload(kt + d * W), acc);
+    vstore(s + r0 * W, acc);
+  }
+}
+
+// query rows per kv head from which score_rows_gemm pays for its transposition (measured:
+// 0.5x at 3 rows, even at 24, 1.13x at 48, 1.22x at 192, where the whole prefix call then
+// runs at this core's FMA peak)
+constexpr int64_t GEMM_ROWS = 24;
+
+// Scratch of one thread: block probabilities [H*R, W], running max / sum / rescale [H*R],
+// accumulators [H*R, Dp]; for many rows, one head's block scores [R, W] and K^T [Dp, W]
+struct Scratch {
+  std::vector<float> p, m, l, alpha, o, s, kt;
+};
+
+// One task: the KV rows slots[0:n) of one sequence, all H kv heads, one pass over blocks of W
+// tokens with an online softmax. qs: [H, R, Dp] query rows, pre-scaled, zero-padded.
+// Writes o_out [H, R, D] (normalized) and lse [H, R].
+void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const float* vbuf,
+                  const int64_t* slots, int64_t n, float* o_out, float* lse, Scratch& sc) {
+  const int64_t H = sh.H, R = sh.R, D = sh.D, Dp = sh.Dp, HR = H * R;
+  const int64_t row = H * D;               // floats per pool row
+  const int64_t row_blocks = (R + 3) / 4;  // V-pass units of work per kv head
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t g = 0; g < G; g++) {
-    float* s = scores.data() + g * Lp;
-    for (int64_t l = L; l < Lp; l++) s[l] = neg_inf;
-    __m256 mv = _mm256_set1_ps(neg_inf);
-    for (int64_t l = 0; l < Lp; l += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + l));
-    const float m = hmax(mv);
-    const __m256 mb = _mm256_set1_ps(m);
-    __m256 sv = _mm256_setzero_ps();
-    for (int64_t l = 0; l < Lp; l += 8) {
-      __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + l), mb));
-      // padding lanes: exp(-inf - m) is clamped above, so zero them explicitly
-      if (l + 8 > L) {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, p);
-        for (int64_t j = L - l; j < 8; j++) tmp[j] = 0.0f;
-        p = _mm256_load_ps(tmp);
-      }
-      _mm256_storeu_ps(s + l, p);
-      sv = _mm256_add_ps(sv, p);
+  sc.p.resize(HR * W);
+  sc.m.assign(HR, neg_inf);
+  sc.l.assign(HR, 0.0f);
+  sc.alpha.resize(HR);
+  sc.o.assign(HR * Dp, 0.0f);
+  float* p = sc.p.data();
+  float* o = sc.o.data();
+  const bool gemm = R >= GEMM_ROWS;
+  if (gemm) {
+    sc.s.resize(R * W);
+    sc.kt.resize(Dp * W);
+  }
+  alignas(64) float lane[W];
+  for (int64_t t = 0; t < std::min(PREFETCH_AHEAD, n); t++) {
+    prefetch_row(kbuf + slots[t] * row, row);
+    prefetch_row(vbuf + slots[t] * row, row);
+  }
+  for (int64_t t0 = 0; t0 < n; t0 += W) {
+    const int64_t nt = std::min(W, n - t0);
+    // tokens [pf0, pf1) get their K rows prefetched a few per score unit (one query row), and
+    // their V rows a few per V-pass unit (up to 4 query rows), not all at once (see header)
+    const int64_t pf0 = t0 + PREFETCH_AHEAD, pf1 = std::min(pf0 + W, n);
+    const float* krow[W];
+    const float* vrow[W];
+    for (int64_t t = 0; t < W; t++) {  // past the end: the last row again (probability 0)
+      const int64_t slot = slots[t0 + std::min(t, nt - 1)];
+      krow[t] = kbuf + slot * row;
+      vrow[t] = vbuf + slot * row;
     }
-    const float sum = hsum(sv);
-    lse[g] = m + std::log(sum);
-    const float inv = 1.0f / sum;
-    // out_g = sum_l p_l v_l / sum, D / 8 accumulators (D <= 128: 16 registers)
-    float* o = out + g * D;
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int64_t nd = std::min<int64_t>(64, D - d0) / 8;
-      __m256 acc[8];
-      for (int64_t j = 0; j < nd; j++) acc[j] = _mm256_setzero_ps();
-      for (int64_t l = 0; l < L; l++) {
-        const float* v = vbuf + slots[l] * row_stride + d0;
-        const __m256 p = _mm256_set1_ps(s[l]);
-        for (int64_t j = 0; j < nd; j++)
-          acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    for (int64_t t = 0; t < W; t++) lane[t] = t < nt ? 1.0f : 0.0f;
+    const vec valid = vload(lane);
+    // scores of the block, then the online softmax: new max, rescale factor, probabilities
+    for (int64_t h = 0; h < H; h++) {
+      const float* kh[W];
+      for (int64_t t = 0; t < W; t++) kh[t] = krow[t] + h * D;
+      if (gemm) score_rows_gemm(qs + h * R * Dp, R, kh, sh, sc.kt.data(), sc.s.data());
+      for (int64_t r = 0; r < R; r++) {
+        const int64_t hr = h * R + r;
+        for (int64_t t = pf0 + hr; t < pf1; t += HR) prefetch_row(kbuf + slots[t] * row, row);
+        const vec sv = gemm ? vload(sc.s.data() + r * W) : score_block(qs + hr * Dp, kh, sh);
+        // lanes past nt repeat the last row's score: the max is the block's
+        const float m_new = std::max(sc.m[hr], vhmax(sv));
+        // 0 on the first block; 1 (no exp) while the max stands, as it mostly does
+        sc.alpha[hr] = m_new == sc.m[hr] ? 1.0f : std::exp(sc.m[hr] - m_new);
+        sc.m[hr] = m_new;
+        const vec pv = vmul(vexp(vsub(sv, vset1(m_new))), valid);
+        sc.l[hr] = sc.l[hr] * sc.alpha[hr] + vsum(pv);
+        vstore(p + hr * W, pv);
       }
-      const __m256 iv = _mm256_set1_ps(inv);
-      for (int64_t j = 0; j < nd; j++) _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], iv));
+    }
+    // o = o * alpha + p . V, register-blocked: up to 4 rows x 4 vectors over the block
+    for (int64_t h = 0; h < H; h++) {
+      const float* vh[W];
+      for (int64_t t = 0; t < W; t++) vh[t] = vrow[t] + h * D;
+      for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int64_t rb = std::min<int64_t>(4, R - r0);
+        const int64_t hr = h * R + r0;
+        for (int64_t t = pf0 + h * row_blocks + r0 / 4; t < pf1; t += H * row_blocks)
+          prefetch_row(vbuf + slots[t] * row, row);
+        for (int64_t j0 = 0; j0 < sh.nvec; j0 += 4) {
+          const int64_t nv = std::min<int64_t>(4, sh.nvec - j0);
+          const int64_t tail_here = (j0 + nv == sh.nvec) ? sh.tail : W;
+          v_block_fn(rb, nv)(vh, nt, p + hr * W, sc.alpha.data() + hr, j0 * W, nv, tail_here,
+                             o + hr * Dp, Dp);
+        }
+      }
     }
   }
+  for (int64_t hr = 0; hr < HR; hr++) {
+    const float inv = 1.0f / sc.l[hr];
+    for (int64_t d = 0; d < D; d++) o_out[hr * D + d] = o[hr * Dp + d] * inv;
+    lse[hr] = sc.m[hr] + std::log(sc.l[hr]);
+  }
+}
+
+struct Task {
+  int64_t b, start, len, part;  // part: index into the partial buffers, -1 = whole sequence
+};
+
+// Split sequences into chunks so that every thread gets several tasks of similar size.
+std::vector<Task> plan_tasks(const int64_t* lens, int64_t B, int64_t threads,
+                             std::vector<int64_t>& parts_of) {
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; b++) total += lens[b];
+  const int64_t want = 4 * threads;  // tasks wanted, for balance
+  const int64_t target = std::clamp<int64_t>((total + want - 1) / want, MIN_CHUNK, MAX_CHUNK);
+  std::vector<Task> tasks;
+  parts_of.assign(B + 1, 0);
+  int64_t part = 0;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t L = lens[b];
+    const int64_t chunks = std::max<int64_t>(1, (L + target - 1) / target);
+    const int64_t size = (L + chunks - 1) / chunks;
+    parts_of[b] = part;
+    for (int64_t c = 0; c < chunks; c++) {
+      const int64_t start = c * size;
+      const int64_t len = std::min(size, L - start);
+      if (len <= 0) break;
+      tasks.push_back({b, start, len, chunks == 1 ? -1 : part++});
+    }
+  }
+  parts_of[B] = part;
+  return tasks;
 }
 
 }  // namespace
 
-// q [B, Hkv, G, D] float32; k_buffer, v_buffer [S, Hkv, D] float32 (one layer of the pool);
+// q [B, Hkv, R, D] float32; k_buffer, v_buffer [S, Hkv, D] float32 (one layer of the pool);
 // slots [B, W] int64 (row b's first lens[b] entries are its KV slots); lens [B] int64.
 std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer,
                                          at::Tensor slots, at::Tensor lens, double scale) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q: [B, Hkv, G, D] float32");
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q: [B, Hkv, R, D] float32");
   TORCH_CHECK(k_buffer.scalar_type() == at::kFloat && v_buffer.scalar_type() == at::kFloat,
               "K/V buffers: float32");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "K/V buffers: contiguous");
+  TORCH_CHECK(k_buffer.sizes() == v_buffer.sizes(), "K/V buffers: same shape");
   TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
               "slots, lens: int64");
   q = q.contiguous();
   slots = slots.contiguous();
   lens = lens.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
-  TORCH_CHECK(D % 8 == 0 && D <= 512, "head_dim must be a multiple of 8");
-  TORCH_CHECK(k_buffer.size(1) == H && k_buffer.size(2) == D, "K buffer shape");
-  TORCH_CHECK(slots.size(0) == B && lens.size(0) == B, "slots/lens batch");
-  const int64_t W = slots.size(1);
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
+  TORCH_CHECK(D % 8 == 0 && D > 0 && D <= 512, "head_dim must be a multiple of 8, at most 512");
+  TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.size(1) == H && k_buffer.size(2) == D,
+              "K buffer shape");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == B && lens.size(0) == B, "slots/lens batch");
+  const int64_t Wd = slots.size(1);
   const int64_t S = k_buffer.size(0);
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; b++) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W, "lens out of range");
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= Wd, "lens out of range");
     for (int64_t l = 0; l < lp[b]; l++)
-      TORCH_CHECK(sp[b * W + l] >= 0 && sp[b * W + l] < S, "slot out of range");
+      TORCH_CHECK(sp[b * Wd + l] >= 0 && sp[b * Wd + l] < S, "slot out of range");
   }
-  auto out = at::empty_like(q);
-  auto lse = at::empty({B, H, G}, q.options());
+  Shape sh;
+  sh.H = H, sh.R = R, sh.D = D;
+  sh.nvec = (D + W - 1) / W;
+  sh.tail = D - (sh.nvec - 1) * W;
+  sh.Dp = sh.nvec * W;
+  // query rows pre-scaled and zero-padded to whole vectors: [B, H, R, Dp]
+  std::vector<float> qs(B * H * R * sh.Dp, 0.0f);
+  const float sc = static_cast<float>(scale);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_buffer.data_ptr<float>();
-  const float* vp = v_buffer.data_ptr<float>();
+  for (int64_t i = 0; i < B * H * R; i++)
+    for (int64_t d = 0; d < D; d++) qs[i * sh.Dp + d] = qp[i * D + d] * sc;
+
+  auto out = at::empty_like(q);
+  auto lse = at::empty({B, H, R}, q.options());
   float* op = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t t = begin; t < end; t++) {
-      const int64_t b = t / H, h = t % H;
-      attend_one(qp + t * G * D, G, D, kp + h * D, vp + h * D, H * D, sp + b * W, lp[b], sc,
-                 op + t * G * D, lsep + t * G, scores);
+  const float* kp = k_buffer.data_ptr<float>();
+  const float* vp = v_buffer.data_ptr<float>();
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> parts_of;
+  const std::vector<Task> tasks = plan_tasks(lp, B, threads, parts_of);
+  const int64_t nparts = parts_of[B];
+  const int64_t per_seq = H * R * D;
+  std::vector<float> part_out(nparts * per_seq), part_lse(nparts * H * R);
+  std::atomic<int64_t> next{0};
+  auto work = [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < int64_t(tasks.size()); i = next.fetch_add(1)) {
+      const Task& t = tasks[i];
+      float* o = t.part < 0 ? op + t.b * per_seq : part_out.data() + t.part * per_seq;
+      float* l = t.part < 0 ? lsep + t.b * H * R : part_lse.data() + t.part * H * R;
+      attend_chunk(qs.data() + t.b * H * R * sh.Dp, sh, kp, vp, sp + t.b * Wd + t.start, t.len,
+                   o, l, scratch);
     }
-  });
+  };
+  if (tasks.size() > 1 && threads > 1)
+    at::parallel_for(0, threads, 1, work);
+  else
+    work(0, 1);
+  // merge the chunks of split sequences by their log-sum-exps
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t p0 = parts_of[b], p1 = parts_of[b + 1];
+    if (p1 == p0) continue;
+    for (int64_t hr = 0; hr < H * R; hr++) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t p = p0; p < p1; p++) m = std::max(m, part_lse[p * H * R + hr]);
+      float total = 0.0f;
+      for (int64_t p = p0; p < p1; p++) total += std::exp(part_lse[p * H * R + hr] - m);
+      float* o = op + b * per_seq + hr * D;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t p = p0; p < p1; p++) {
+        const float w = std::exp(part_lse[p * H * R + hr] - m) / total;
+        const float* po = part_out.data() + p * per_seq + hr * D;
+        for (int64_t d = 0; d < D; d++) o[d] += w * po[d];
+      }
+      lsep[b * H * R + hr] = m + std::log(total);
+    }
+  }
   return {out, lse};
 }
 
+// A shared prefix's partial result merged into its members' (in place): member i's query row
+// (h, g) is row i * G + g of the prefix call's kv head h. out [B, H, G, D], lse [B, H, G];
+// p_out [1, H, n * G, D], p_lse [1, H, n * G] (decode_attention over the prefix's slots).
+void merge_prefix(at::Tensor out, at::Tensor lse, at::Tensor members, at::Tensor p_out,
+                  at::Tensor p_lse) {
+  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && p_out.is_contiguous() &&
+                  p_lse.is_contiguous() && members.is_contiguous(),
+              "merge_prefix: contiguous tensors");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && p_out.scalar_type() == at::kFloat &&
+                  lse.scalar_type() == at::kFloat && p_lse.scalar_type() == at::kFloat &&
+                  members.scalar_type() == at::kLong,
+              "merge_prefix: float32 results, int64 members");
+  const int64_t B = out.size(0), H = out.size(1), G = out.size(2), D = out.size(3);
+  const int64_t n = members.size(0);
+  TORCH_CHECK(p_out.dim() == 4 && p_out.size(0) == 1 && p_out.size(1) == H &&
+                  p_out.size(2) == n * G && p_out.size(3) == D && p_lse.numel() == H * n * G,
+              "merge_prefix: shapes");
+  const int64_t* mp = members.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float* pop = p_out.data_ptr<float>();
+  const float* plp = p_lse.data_ptr<float>();
+  for (int64_t i = 0; i < n; i++) {
+    TORCH_CHECK(mp[i] >= 0 && mp[i] < B, "merge_prefix: member out of range");
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t g = 0; g < G; g++) {
+        const int64_t r = (mp[i] * H + h) * G + g, pr = h * n * G + i * G + g;
+        const float m = std::max(lp[r], plp[pr]);
+        const float ws = std::exp(lp[r] - m), wp = std::exp(plp[pr] - m);
+        const float inv = 1.0f / (ws + wp);
+        float* o = op + r * D;
+        const float* po = pop + pr * D;
+        for (int64_t d = 0; d < D; d++) o[d] = (o[d] * ws + po[d] * wp) * inv;
+        lp[r] = m + std::log(ws + wp);
+      }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("merge_prefix", &merge_prefix,
+        "merge a shared prefix's (out, lse) into its members' rows of (out, lse), in place");
   m.def("decode_attention", &decode_attention,
-        "q [B, Hkv, G, D] over the pool rows slots[b, :lens[b]] -> (out, lse)");
+        "q [B, Hkv, R, D] over the pool rows slots[b, :lens[b]] -> (out, lse)");
+#if defined(__AVX512F__)
+  m.attr("isa") = "avx512";
+#else
+  m.attr("isa") = "avx2";
+#endif
 }

@@ -8,16 +8,17 @@ these are the paths the CPU actually runs:
   no mask), an explicit mask only when the request has a cached prefix.
 * decode, "cascade": requests whose KV starts with the same pool slots (a radix-cache hit on a
   shared rubric, system prompt or tree root) are grouped once per forward; each group's shared
-  prefix is read from the pool once and attended by all its queries as one matrix product,
-  and only each request's own suffix is gathered into a padded batch. The two partial results
-  are merged with their log-sum-exps. Without sharing this is a padded gather of every
-  request's KV, as before, done with one `index_select`.
-* decode, the suffix part: on an AVX2 CPU with fp32 KV, plait's own kernel (attn_cpu.cpp)
-  reads each request's K/V rows in place through its slot list (no gathered copy) and
-  attends its grouped-query heads in one task per (request, kv head). It is compiled with
-  torch's cpp_extension in a background thread when a model runner starts (about a minute
-  the first time, then loaded from torch's extension cache); until it is ready, and on other
-  CPUs, dtypes or with `--disable-cpu-attention-kernel`, the gather + flash path runs.
+  prefix is read from the pool once and attended by all its queries together (n members x G
+  query heads as the rows of each kv head), and each request's own suffix separately. The two
+  partial results are merged with their log-sum-exps.
+* decode on a CPU with AVX2 or AVX-512 and fp32 KV: plait's own kernel (attn_cpu.cpp, built
+  for the widest of the two the CPU has) reads K/V rows in place through the slot lists, for
+  the suffixes and for the shared prefixes, and merges them; no gathered copy. It is compiled
+  with torch's cpp_extension in a background thread when a model runner starts (about a
+  minute the first time, then loaded from torch's extension cache); until it is ready, and on
+  other CPUs, dtypes or with `--disable-cpu-attention-kernel`, torch's path runs: a padded
+  gather of each request's suffix (one `index_select`) and of each shared prefix, attended by
+  torch's fused flash kernel.
 """
 
 from __future__ import annotations
@@ -36,23 +37,45 @@ from plait.kernels.base import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 _KERNEL_SOURCE = Path(__file__).with_name("attn_cpu.cpp")
+# one source, built for the widest vector ISA the CPU has (torch's own dispatch level)
+_KERNEL_FLAGS = {
+    "avx512": [
+        "-O3",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512dq",
+        "-mavx512vl",
+        "-mavx2",
+        "-mfma",
+        "-fopenmp",
+    ],
+    "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
+}
 _kernel = None  # the compiled decode kernel, once built or loaded
 _kernel_lock = threading.Lock()
 _kernel_thread: threading.Thread | None = None
 
 
-def _build_kernel() -> None:
-    global _kernel
+def kernel_isa() -> str | None:
+    """The vector ISA to build the decode kernel for on this CPU (None: no kernel)."""
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
+
+
+def load_decode_kernel(isa: str):
+    """Build (once) or load the decode kernel compiled for `isa` ("avx512" or "avx2")."""
     from plait.kernels.cpp_build import load_extension
 
+    return load_extension(f"plait_attn_cpu_{isa}", _KERNEL_SOURCE, _KERNEL_FLAGS[isa], ["-fopenmp"])
+
+
+def _build_kernel(isa: str) -> None:
+    global _kernel
     try:  # Linux: this thread only, inherited by the compiler it starts (serving goes first)
         os.nice(10)
     except OSError:
         pass
     try:
-        mod = load_extension(
-            "plait_attn_cpu", _KERNEL_SOURCE, ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
-        )
+        mod = load_decode_kernel(isa)
     except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja: keep torch's path
         logger.warning("CPU decode attention kernel unavailable (%s); using torch's", e)
         return
@@ -60,15 +83,17 @@ def _build_kernel() -> None:
 
 
 def start_decode_kernel(block: bool = False) -> bool:
-    """Build or load the AVX2 decode attention kernel, in a background thread unless `block`
-    (the runner starts serving on torch's path meanwhile). True when it can be used now."""
+    """Build or load the decode attention kernel (AVX-512 or AVX2, as the CPU allows), in a
+    background thread unless `block` (the runner starts serving on torch's path meanwhile).
+    True when it can be used now."""
     global _kernel_thread
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    isa = kernel_isa()
+    if isa is None:
         return False
     with _kernel_lock:
         if _kernel is None and _kernel_thread is None:
             _kernel_thread = threading.Thread(
-                target=_build_kernel, name="plait-attn-kernel-build", daemon=True
+                target=_build_kernel, args=(isa,), name="plait-attn-kernel-build", daemon=True
             )
             _kernel_thread.start()
         thread = _kernel_thread
@@ -139,6 +164,17 @@ def extend_attention_cpu(
 class PrefixGroup:
     members: torch.Tensor  # [n] int64, batch rows sharing the prefix
     slots: torch.Tensor  # [P] int64, the shared prefix's pool slots
+
+    @property
+    def kernel_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefix as the kernel's one sequence: slots [1, P], lens [1] (built once)."""
+        cached = self.__dict__.get("_kernel_slots")
+        if cached is None:
+            cached = self.__dict__["_kernel_slots"] = (
+                self.slots[None],
+                torch.tensor([self.slots.numel()], dtype=torch.int64),
+            )
+        return cached
 
 
 @dataclass
@@ -221,21 +257,26 @@ def decode_attention_cpu(
         and q.dtype == k_buffer.dtype == torch.float32
         and head_dim % 8 == 0
         and k_buffer.is_contiguous()
-    ):  # K/V read in place through the slot lists
+        and v_buffer.is_contiguous()
+    ):  # K/V read in place through the slot lists, prefixes included
         out, lse = kernel.decode_attention(
             qg, k_buffer, v_buffer, plan.suffix_slots, plan.suffix_lens, scaling
         )
-    else:
-        width = plan.suffix_slots.shape[1]
-        flat = plan.suffix_slots.reshape(-1)
-        k = k_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
-        v = v_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
-        mask = _padding_mask(plan, q.dtype)  # [B, 1, 1, Ls]
-        out, lse = _attend(qg, k.to(q.dtype), v.to(q.dtype), mask, scaling)  # [B, Hkv, G, D]
+        for g in plan.groups:
+            # every member's query heads against one read of the prefix: [1, Hkv, n*G, D]
+            qs = _prefix_queries(qg, g)
+            p_out, p_lse = kernel.decode_attention(qs, k_buffer, v_buffer, *g.kernel_slots, scaling)
+            kernel.merge_prefix(out, lse, g.members, p_out, p_lse)
+        return out.reshape(bsz, num_heads, head_dim)
+    width = plan.suffix_slots.shape[1]
+    flat = plan.suffix_slots.reshape(-1)
+    k = k_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
+    v = v_buffer.index_select(0, flat).view(bsz, width, num_kv, head_dim).transpose(1, 2)
+    mask = _padding_mask(plan, q.dtype)  # [B, 1, 1, Ls]
+    out, lse = _attend(qg, k.to(q.dtype), v.to(q.dtype), mask, scaling)  # [B, Hkv, G, D]
     for g in plan.groups:
         n = g.members.numel()
-        # every member's query heads against one read of the prefix: [1, Hkv, n*G, D]
-        qs = qg.index_select(0, g.members).transpose(0, 1).reshape(1, num_kv, n * group, head_dim)
+        qs = _prefix_queries(qg, g)
         kp = k_buffer.index_select(0, g.slots).to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, P, D]
         vp = v_buffer.index_select(0, g.slots).to(q.dtype).transpose(0, 1)[None]
         p_out, p_lse = _attend(qs, kp, vp, None, scaling)
@@ -249,6 +290,13 @@ def decode_attention_cpu(
         )
         out[g.members] = merged.to(out.dtype)
     return out.reshape(bsz, num_heads, head_dim)
+
+
+def _prefix_queries(qg: torch.Tensor, g: PrefixGroup) -> torch.Tensor:
+    """The members' query rows per kv head, member-major: [B, Hkv, G, D] -> [1, Hkv, n*G, D]."""
+    _, num_kv, group, head_dim = qg.shape
+    n = g.members.numel()
+    return qg.index_select(0, g.members).transpose(0, 1).reshape(1, num_kv, n * group, head_dim)
 
 
 def _padding_mask(plan: DecodePlan, dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,7 @@ from plait.kernels.torch_backend import (
     extend_attention_reference,
     store_kv_reference,
 )
+from plait.radix_cache.kv_pool import KVPool
 
 SCALE = 0.3
 
@@ -143,21 +144,162 @@ def test_half_precision_pools_match_the_fp32_reference(dtype, tol):
         torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-# ---------------------------------------------------------------- attn_cpu.cpp (AVX2 decode)
+# ------------------------------------------------------- attn_cpu.cpp (AVX-512 / AVX2 decode)
+def _isas() -> list[str]:
+    cap = torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(cap, [])
+
+
 @pytest.fixture(scope="module")
 def decode_kernel():
     import plait.kernels.cpu_attention as cpu
 
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if cpu.kernel_isa() is None:
         pytest.skip("the decode kernel needs AVX2")
     assert cpu.start_decode_kernel(block=True), "the decode kernel failed to build"
     return cpu
+
+
+@pytest.fixture(scope="module", params=_isas() or ["none"])
+def isa_kernel(request):
+    """The kernel built for each vector ISA this CPU runs (both on an AVX-512 machine)."""
+    if request.param == "none":
+        pytest.skip("the decode kernel needs AVX2")
+    from plait.kernels.cpu_attention import load_decode_kernel
+
+    mod = load_decode_kernel(request.param)
+    assert mod.isa == request.param
+    return mod
 
 
 def _kernel_decode(q, k, v, meta, scale):
     # the conditions under which decode_attention_cpu takes the kernel (else it falls back)
     assert k.is_contiguous() and k.dtype == q.dtype == torch.float32
     return decode_attention_cpu(q, k, v, meta, scale, use_kernel=True)
+
+
+def _poisoned_pool(rows: list[torch.Tensor], kv_heads: int, head_dim: int, seed: int):
+    """K/V buffers where the rows listed hold random values and every other row NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    size = int(max(int(r.max()) for r in rows)) + 2
+    k = torch.full((size, kv_heads, head_dim), float("nan"))
+    v = torch.full_like(k, float("nan"))
+    used = torch.cat(rows).unique()
+    k[used] = torch.randn(len(used), kv_heads, head_dim, generator=gen)
+    v[used] = torch.randn(len(used), kv_heads, head_dim, generator=gen)
+    return k, v
+
+
+def _reference(q, k, v, rows, scale):
+    """float64 attention of q [B, Hkv, R, D] over each sequence's rows: (out, lse)."""
+    outs, lses = [], []
+    for b, slots in enumerate(rows):
+        kb, vb = k[slots].double().transpose(0, 1), v[slots].double().transpose(0, 1)
+        s = torch.einsum("hrd,hld->hrl", q[b].double(), kb) * scale  # [Hkv, R, L]
+        outs.append(torch.einsum("hrl,hld->hrd", s.softmax(-1), vb).float())
+        lses.append(torch.logsumexp(s, -1).float())
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _run_kernel(mod, q, k, v, rows, scale=0.3):
+    width = max(len(r) for r in rows)
+    slots = torch.zeros(len(rows), width + 3, dtype=torch.int64)  # padding past lens: slot 0
+    for b, r in enumerate(rows):
+        slots[b, : len(r)] = r
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    out, lse = mod.decode_attention(q, k, v, slots, lens, scale)
+    expected, expected_lse = _reference(q, k, v, rows, scale)
+    assert not out.isnan().any(), "NaN: a read outside the sequence's rows"
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, expected_lse, atol=2e-5, rtol=2e-5)
+
+
+def _allocator_rows(layout: str, batch: int, prompt: int, context: int) -> list[torch.Tensor]:
+    """Each request's slots as KVPool hands them out: a prompt alloc, then one alloc(1) per
+    request per decode step (decode tokens `batch` slots apart); "served": from a free stack
+    that earlier requests of other lengths left mixed up."""
+    pool = KVPool(4 * batch * context + 64, 0, 1, 8, torch.float32)
+    if layout == "served":
+        live = [pool.alloc(n) for n in (37, 5, 120, 64, 9, 200, 77)]
+        for i in (3, 0, 5, 2, 6, 1, 4):
+            pool.free(live[i][torch.randperm(len(live[i]), generator=torch.Generator().manual_seed(i))])
+    rows = [[pool.alloc(prompt)] for _ in range(batch)]
+    for _ in range(context - prompt):
+        for r in rows:
+            r.append(pool.alloc(1))
+    return [torch.cat(r) for r in rows]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("layout", ["scheduler", "served"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_decode_kernel_on_the_allocators_slot_layouts(isa_kernel, layout, batch):
+    # SmolLM2's shapes: 3 kv heads x 3 query heads, head_dim 64; prompts of 40, 130 decoded
+    rows = _allocator_rows(layout, batch, 40, 170)
+    k, v = _poisoned_pool(rows, 3, 64, seed=batch)
+    q = torch.randn(batch, 3, 3, 64, generator=torch.Generator().manual_seed(batch))
+    _run_kernel(isa_kernel, q, k, v, rows, scale=0.125)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 63, 64, 65, 129, 1000, 3001])
+def test_decode_kernel_splits_one_long_sequence(isa_kernel, length):
+    # batch 1: the keys are split into chunks for both threads and merged by log-sum-exp
+    rows = [torch.randperm(length + 50, generator=torch.Generator().manual_seed(length))[:length]
+            * 2 + 1]  # every row followed by a NaN row: a read past a row's end shows
+    k, v = _poisoned_pool(rows, 2, 64, seed=length)
+    q = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(length))
+    _run_kernel(isa_kernel, q, k, v, rows)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "kv_heads,rows_per_head,head_dim",
+    [(3, 3, 64), (1, 8, 128), (2, 4, 72), (4, 1, 16), (2, 2, 8), (2, 3, 136), (3, 5, 24)],
+)
+def test_decode_kernel_gqa_shapes_and_head_dims(isa_kernel, kv_heads, rows_per_head, head_dim):
+    # head_dim not a multiple of 16 (72, 136, 24, 8): AVX-512's masked last vector
+    gen = torch.Generator().manual_seed(head_dim)
+    lens = [1, 7, 16, 33, 300]
+    rows = [torch.randperm(400, generator=gen)[:n] * 2 + 1 for n in lens]
+    k, v = _poisoned_pool(rows, kv_heads, head_dim, seed=head_dim)
+    q = torch.randn(len(lens), kv_heads, rows_per_head, head_dim, generator=gen)
+    _run_kernel(isa_kernel, q, k, v, rows)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("rows_per_head,head_dim", [(23, 64), (24, 64), (27, 72), (40, 16)])
+def test_decode_kernel_many_query_rows(isa_kernel, rows_per_head, head_dim):
+    # from 24 rows per kv head the scores are a small GEMM over the block's K transposed
+    gen = torch.Generator().manual_seed(rows_per_head)
+    rows = [torch.randperm(600, generator=gen)[:n] * 2 + 1 for n in (1, 17, 300)]
+    k, v = _poisoned_pool(rows, 2, head_dim, seed=rows_per_head)
+    q = torch.randn(3, 2, rows_per_head, head_dim, generator=gen)
+    _run_kernel(isa_kernel, q, k, v, rows)
+
+
+@pytest.mark.heavy
+def test_decode_kernel_many_query_rows_and_merge(isa_kernel):
+    # a shared prefix: 64 members x 3 query heads = 192 rows per kv head over 1000 keys, then
+    # merged into the members' suffix results as decode_attention_cpu does
+    gen = torch.Generator().manual_seed(7)
+    n, g, d = 64, 3, 64
+    prefix = torch.randperm(3000, generator=gen)[:1000] * 2 + 1
+    suffixes = [torch.arange(6001 + 40 * i, 6001 + 40 * i + 2 * (i % 7 + 1), 2) for i in range(n)]
+    k, v = _poisoned_pool([prefix, *suffixes], 3, d, seed=7)
+    q = torch.randn(n, 3, g, d, generator=gen)
+    _run_kernel(isa_kernel, q.transpose(0, 1).reshape(1, 3, n * g, d), k, v, [prefix])
+    lens = torch.tensor([len(s) for s in suffixes])
+    slots = torch.nn.utils.rnn.pad_sequence(suffixes, batch_first=True)
+    out, lse = isa_kernel.decode_attention(q, k, v, slots, lens, 0.3)
+    p_out, p_lse = isa_kernel.decode_attention(
+        q.transpose(0, 1).reshape(1, 3, n * g, d), k, v, prefix[None], torch.tensor([1000]), 0.3
+    )
+    members = torch.arange(n)
+    isa_kernel.merge_prefix(out, lse, members, p_out, p_lse)
+    expected, expected_lse = _reference(q, k, v, [torch.cat([prefix, s]) for s in suffixes], 0.3)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, expected_lse, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.heavy
@@ -173,7 +315,7 @@ def test_decode_kernel_without_sharing_matches_reference(decode_kernel, group, h
 @pytest.mark.heavy
 @pytest.mark.parametrize("group", [1, 3])
 def test_decode_kernel_with_shared_prefixes_matches_reference(decode_kernel, group):
-    # the suffixes go through the kernel, the groups' prefixes through flash; merged by lse
+    # the suffixes and the groups' prefixes both through the kernel, merged by lse
     lens = [60, 70, 40, 120, 101, 150, 80, 90]
     b = random_attention_batch(lens, [1] * len(lens), 2 * group, 2, 64,
                                mode=ForwardMode.DECODE, seed=20 + group)
@@ -202,12 +344,13 @@ def test_a_lock_left_by_a_killed_build_does_not_block_loading(decode_kernel):
     from plait.kernels.cpp_build import build_directory, extension_name, load_extension
 
     source = decode_kernel._KERNEL_SOURCE
-    cflags, ldflags = ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
-    name = extension_name("plait_attn_cpu", source.read_text(), cflags, ldflags)
+    isa = decode_kernel.kernel_isa()
+    cflags, ldflags = decode_kernel._KERNEL_FLAGS[isa], ["-fopenmp"]
+    name = extension_name(f"plait_attn_cpu_{isa}", source.read_text(), cflags, ldflags)
     (build_directory(name) / "lock").touch()
     loaded = []
     t = threading.Thread(target=lambda: loaded.append(load_extension(
-        "plait_attn_cpu", source, cflags, ldflags)), daemon=True)
+        f"plait_attn_cpu_{isa}", source, cflags, ldflags)), daemon=True)
     t.start()
     t.join(timeout=120)
     assert loaded and hasattr(loaded[0], "decode_attention"), "load waited on the stale lock"
