@@ -31,9 +31,10 @@
 // * A shared prefix has many query rows per kv head (its n members' G heads; judge: 192): from
 //   GEMM_ROWS rows on, the block's K rows are transposed once and the scores are a small GEMM
 //   (score_rows_gemm), which does the multiply-adds without per-score sums.
-// * Sequences are split into chunks of at least MIN_CHUNK keys when there are fewer than ~4
-//   chunks per thread (batch 1 had Hkv = 3 tasks for 2 threads), merged by their
-//   log-sum-exps; threads take chunks from a shared counter.
+// * Sequences longer than CHUNK keys are split into chunks (batch 1 had Hkv = 3 tasks for 2
+//   threads), merged by their log-sum-exps; threads take chunks from a shared counter. The
+//   split is a function of each sequence's length alone, so a request's result does not depend
+//   on the thread count or on its batch.
 // * The same source is built for AVX-512 and for AVX2; AVX-512 needs fewer instructions (from
 //   cache 1.25x faster), on memory-bound steps the two measured alike.
 #include <torch/extension.h>
@@ -155,8 +156,7 @@ inline vec vexp(vec x) {
 }
 
 constexpr int64_t PREFETCH_AHEAD = W;  // tokens: one block (see the header)
-constexpr int64_t MIN_CHUNK = 64;   // keys per task at least (a split's merge has a cost)
-constexpr int64_t MAX_CHUNK = 1024; // keys per task at most (balance between threads)
+constexpr int64_t CHUNK = 256;  // keys per task, about (batch 1 of 280 keys: two tasks of 140)
 
 // every cache line of one pool row (its first byte's line to its last byte's)
 inline void prefetch_row(const float* row, int64_t floats) {
@@ -362,13 +362,12 @@ struct Task {
   int64_t b, start, len, part;  // part: index into the partial buffers, -1 = whole sequence
 };
 
-// Split sequences into chunks so that every thread gets several tasks of similar size.
-std::vector<Task> plan_tasks(const int64_t* lens, int64_t B, int64_t threads,
-                             std::vector<int64_t>& parts_of) {
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; b++) total += lens[b];
-  const int64_t want = 4 * threads;  // tasks wanted, for balance
-  const int64_t target = std::clamp<int64_t>((total + want - 1) / want, MIN_CHUNK, MAX_CHUNK);
+// Split sequences into chunks of about CHUNK keys. The split depends on the sequence's own
+// length only, never on the thread count or the rest of the batch: the scheduler changes its
+// thread count with the host's load (plait/runtime/thread_tuner.py), and a split that followed
+// it changed the rounding of the merge and so, rarely, a greedy token.
+std::vector<Task> plan_tasks(const int64_t* lens, int64_t B, std::vector<int64_t>& parts_of) {
+  const int64_t target = CHUNK;
   std::vector<Task> tasks;
   parts_of.assign(B + 1, 0);
   int64_t part = 0;
@@ -438,7 +437,7 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
   const float* vp = v_buffer.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> parts_of;
-  const std::vector<Task> tasks = plan_tasks(lp, B, threads, parts_of);
+  const std::vector<Task> tasks = plan_tasks(lp, B, parts_of);
   const int64_t nparts = parts_of[B];
   const int64_t per_seq = H * R * D;
   std::vector<float> part_out(nparts * per_seq), part_lse(nparts * H * R);

@@ -354,3 +354,28 @@ def test_a_lock_left_by_a_killed_build_does_not_block_loading(decode_kernel):
     t.start()
     t.join(timeout=120)
     assert loaded and hasattr(loaded[0], "decode_attention"), "load waited on the stale lock"
+
+
+@pytest.mark.heavy
+def test_decode_kernel_result_does_not_depend_on_threads_or_batch(isa_kernel):
+    # the scheduler changes torch's thread count with the host's load (thread_tuner.py): a
+    # request's attention must come out bit for bit the same on 1 or 2 threads, alone or in a
+    # batch, or its greedy tokens could change with the machine's load
+    gen = torch.Generator().manual_seed(11)
+    lens = [1, 70, 280, 1000]
+    rows = [torch.randperm(3000, generator=gen)[:n] * 2 + 1 for n in lens]
+    k, v = _poisoned_pool(rows, 3, 64, seed=11)
+    q = torch.randn(len(lens), 3, 3, 64, generator=gen)
+    slots = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    lens_t = torch.tensor(lens)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(isa_kernel.decode_attention(q, k, v, slots, lens_t, 0.3))
+            alone = isa_kernel.decode_attention(q[3:], k, v, slots[3:], lens_t[3:], 0.3)
+            assert torch.equal(alone[0], results[-1][0][3:]), "batch changed the result"
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
