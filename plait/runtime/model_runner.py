@@ -17,6 +17,7 @@ from plait.kernels.base import (
     resolve_backend_name,
 )
 from plait.kernels.cpu_attention import start_decode_kernel
+from plait.kernels.cpu_extend import start_extend_kernel
 from plait.kernels.woq import quantize_linears
 from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
 from plait.registry import QUANTIZATION_METHODS
@@ -108,6 +109,14 @@ class ModelRunner:
         ):
             attn.use_cpu_kernel = True
             start_decode_kernel()  # background build/load; torch's path until it is ready
+        if (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and not args.disable_cpu_extend_kernel
+            and hasattr(attn, "use_cpu_extend_kernel")
+        ):
+            attn.use_cpu_extend_kernel = True
+            start_extend_kernel()  # likewise
         pool_tokens = self._pool_size()
         self.kv_pool = KVPool(
             pool_tokens, cfg.num_hidden_layers, local.num_key_value_heads, cfg.head_dim,
