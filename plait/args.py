@@ -182,6 +182,11 @@ class ServerArgs:
         False, "with --quantization: also quantize the logits GEMM (the output embedding; a "
         "tied input embedding keeps its fp32 copy for the lookup)",
     )
+    disable_cpu_extend_kernel: bool = _opt(
+        False, "on CPU, run prefill (extend) attention as torch's per-request gather + fused "
+        "attention instead of plait's kernel that reads the KV pool in place (built in the "
+        "background on first use, then cached by torch)",
+    )
     stream_interval: int = _opt(1, "send streamed tokens every N decode steps")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
     ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: private tmp)")

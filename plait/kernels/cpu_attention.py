@@ -3,9 +3,7 @@
 `plait.kernels.torch_backend` keeps the plain references that every kernel is tested against;
 these are the paths the CPU actually runs:
 
-* extend: one fused `scaled_dot_product_attention` per request on 4-D views with
-  `enable_gqa` (no repeated K/V copies), `is_causal` when nothing is cached (the flash kernel,
-  no mask), an explicit mask only when the request has a cached prefix.
+* extend: plait.kernels.cpu_extend (re-exported here).
 * decode, "cascade": requests whose KV starts with the same pool slots (a radix-cache hit on a
   shared rubric, system prompt or tree root) are grouped once per forward; each group's shared
   prefix is read from the pool once and attended by all its queries together (n members x G
@@ -33,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.kernels.base import AttentionMetadata
+from plait.kernels.cpu_extend import ExtendPlan, extend_attention_cpu, plan_extend  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -108,56 +107,6 @@ def decode_kernel_ready() -> bool:
 
 # a shared prefix shorter than this is attended with the rest (the grouping costs more)
 MIN_SHARED_PREFIX = 32
-
-
-@dataclass
-class ExtendPlan:
-    """Per request of an extend batch: (first row in q, new tokens, its KV slots [S] int64, the
-    mask [E, S] or None when nothing is cached). Built once per forward for every layer."""
-
-    requests: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
-
-
-def plan_extend(meta: AttentionMetadata) -> ExtendPlan:
-    cached = meta.cache.get("cpu_extend_plan")
-    if cached is not None:
-        return cached
-    rows = meta.req_to_token[meta.req_pool_indices]  # [B, C]
-    requests = []
-    start = 0
-    for i in range(meta.batch_size):
-        ext, seq, pre = meta.extend_lens_cpu[i], meta.seq_lens_cpu[i], meta.prefix_lens_cpu[i]
-        if ext == 0:
-            continue
-        mask = None
-        if pre:  # row r sits at position pre + r and sees keys 0..pre + r
-            mask = torch.ones(ext, seq, dtype=torch.bool, device=rows.device).tril_(pre)
-        requests.append((start, ext, rows[i, :seq].long(), mask))
-        start += ext
-    plan = meta.cache["cpu_extend_plan"] = ExtendPlan(requests)
-    return plan
-
-
-def extend_attention_cpu(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    meta: AttentionMetadata,
-    scaling: float,
-) -> torch.Tensor:
-    """q: [T, H, D] -> [T, H, D]; K/V read from the pool (already holding the new tokens)."""
-    out = torch.empty_like(q)
-    gqa = q.shape[1] != k_buffer.shape[1]
-    for start, ext, slots, mask in plan_extend(meta).requests:
-        k = k_buffer.index_select(0, slots).to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, S, D]
-        v = v_buffer.index_select(0, slots).to(q.dtype).transpose(0, 1)[None]
-        qi = q[start : start + ext].transpose(0, 1)[None]  # [1, H, E, D]
-        # nothing cached: square, and the top-left causal mask is the right one
-        o = F.scaled_dot_product_attention(
-            qi, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
-        )
-        out[start : start + ext] = o[0].transpose(0, 1)
-    return out
 
 
 @dataclass

@@ -8,12 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.kernels.base import AttentionBackend, AttentionMetadata, ForwardMode
-from plait.kernels.cpu_attention import (
-    decode_attention_cpu,
-    extend_attention_cpu,
-    plan_decode,
-    plan_extend,
-)
+from plait.kernels.cpu_attention import decode_attention_cpu, plan_decode
+from plait.kernels.cpu_extend import extend_attention_cpu, plan_extend
 
 if TYPE_CHECKING:
     from plait.radix_cache.kv_pool import KVPool
@@ -99,6 +95,7 @@ class TorchAttnBackend(AttentionBackend):
     """The CPU backend (and a portable fallback anywhere torch runs)."""
 
     use_cpu_kernel = False  # set by the model runner: decode through attn_cpu.cpp when built
+    use_cpu_extend_kernel = False  # ... and extend through extend_attn_cpu.cpp
     # forward(q, None, None, ...): the model already wrote this layer's new K/V into the pool
     # at meta.out_cache_loc (the fused rotary + KV store of plait.kernels.fused_ops)
     accepts_stored_kv = True
@@ -127,4 +124,6 @@ class TorchAttnBackend(AttentionBackend):
             return decode_attention_cpu(
                 q, k_buffer, v_buffer, meta, self.scaling, use_kernel=self.use_cpu_kernel
             )
-        return extend_attention_cpu(q, k_buffer, v_buffer, meta, self.scaling)
+        return extend_attention_cpu(
+            q, k_buffer, v_buffer, meta, self.scaling, use_kernel=self.use_cpu_extend_kernel
+        )

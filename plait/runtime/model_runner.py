@@ -19,14 +19,15 @@ from plait.kernels.base import (
     resolve_backend_name,
 )
 from plait.kernels.cpu_attention import start_decode_kernel
+from plait.kernels.cpu_extend import start_extend_kernel
 from plait.kernels.fused_ops import start_fused_ops
 from plait.kernels.woq import quantize_linears
+from plait.models.config import ModelConfig
+from plait.models.weights import load_model, resolve_dtype
 from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
 from plait.registry import QUANTIZATION_METHODS
 from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
-from plait.models.config import ModelConfig
-from plait.models.weights import load_model, resolve_dtype
 from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
 from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
 
@@ -104,18 +105,8 @@ class ModelRunner:
             if self.sharding:
                 pack_row_parallel(self.model.model)
         self.attn_backend = attn
-        if (
-            self.device.type == "cpu"
-            and self.dtype == torch.float32
-            and not args.disable_cpu_attention_kernel
-            and hasattr(attn, "use_cpu_kernel")  # the torch backend
-        ):
-            attn.use_cpu_kernel = True
-            start_decode_kernel()  # background build/load; torch's path until it is ready
-        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        if cpu_fp32 and not args.disable_cpu_fused_ops:
-            self.model.use_fused_cpu_ops = True
-            start_fused_ops()  # background build/load; torch's operators until it is ready
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            self._start_cpu_kernels(args, attn)
         pool_tokens = self._pool_size()
         self.kv_pool = KVPool(
             pool_tokens, cfg.num_hidden_layers, local.num_key_value_heads, cfg.head_dim,
@@ -133,6 +124,20 @@ class ModelRunner:
             self.attn_backend_name,
             f", tensor parallel rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "",
         )
+
+    def _start_cpu_kernels(self, args: ServerArgs, attn) -> None:
+        """plait's C++ kernels for the fp32 CPU path, each built (first start) or loaded in a
+        background thread; torch's operators run until each one is ready."""
+        if hasattr(attn, "use_cpu_kernel"):  # the torch backend
+            if not args.disable_cpu_attention_kernel:
+                attn.use_cpu_kernel = True
+                start_decode_kernel()
+            if not args.disable_cpu_extend_kernel:
+                attn.use_cpu_extend_kernel = True
+                start_extend_kernel()
+        if not args.disable_cpu_fused_ops:
+            self.model.use_fused_cpu_ops = True
+            start_fused_ops()
 
     def _quantize(self, args: ServerArgs) -> None:
         """Weight-only quantized decoder-layer linears (and the logits GEMM if asked): the
