@@ -94,6 +94,11 @@ class ServerArgs:
         "any request) before it is aborted and answered 504 (0: never); a request queued "
         "behind others in a busy server is not aborted",
     )
+    shutdown_grace: float = _opt(
+        5.0,
+        "seconds requests still running at SIGINT/SIGTERM get to finish; past them each ends "
+        "with a 503 error (streams with an error event) and the server exits",
+    )
     max_request_bytes: int = _opt(
         16 << 20, "largest HTTP request body accepted; larger ones get 413"
     )
@@ -237,6 +242,8 @@ class ServerArgs:
             raise ValueError("queue_reserve_fraction: must be in [0, 1)")
         if self.request_timeout < 0:
             raise ValueError("request_timeout: must be >= 0 (0: no deadline)")
+        if self.shutdown_grace < 0:
+            raise ValueError("shutdown_grace: must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes: must be >= 1024")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:

@@ -45,8 +45,6 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 3.0  # /health: how long the scheduler may take to answer a stats probe
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-# on SIGINT/SIGTERM, requests in flight get this long to finish, then fail with 503
-GRACEFUL_SHUTDOWN_S = 5.0
 # idle keep-alive connections stay open this long: well past the clients' own expiry (httpx's
 # default is 5 s, uvicorn's too), so a client never reuses a connection the server is closing
 # at that very moment (an httpx ReadError on a request the server never saw)
@@ -304,9 +302,9 @@ class _Server(uvicorn.Server):
     fails the requests still running after the grace period (their streams end with an error
     event) rather than letting uvicorn cancel their tasks mid-write."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, url: str) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, url: str, grace: float) -> None:
         super().__init__(config)
-        self.app, self.url = app, url
+        self.app, self.url, self.grace = app, url, grace
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -317,7 +315,7 @@ class _Server(uvicorn.Server):
         self.app.state.ready = False  # keep-alive connections get 503 from now on
         loop = asyncio.get_running_loop()
         timer = loop.call_later(
-            GRACEFUL_SHUTDOWN_S, fail_in_flight, self.app, "server is shutting down"
+            self.grace, fail_in_flight, self.app, "server is shutting down"
         )
         try:
             await super().shutdown(sockets)
@@ -378,10 +376,10 @@ def launch_server(args: ServerArgs) -> None:
             port=args.port,
             log_level=args.log_level,
             access_log=args.log_level == "debug",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5,  # fail_in_flight comes first
+            timeout_graceful_shutdown=args.shutdown_grace + 5,  # fail_in_flight comes first
             timeout_keep_alive=KEEP_ALIVE_S,
         )
-        server = _Server(config, app, args.url)
+        server = _Server(config, app, args.url, args.shutdown_grace)
         # a dead child stops the server, and `plait serve` exits non-zero (launch.py)
         children.supervise(lambda _: setattr(server, "should_exit", True), CHILD_DEATH_EXIT_S)
         server.run(sockets=[sock])

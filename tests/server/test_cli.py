@@ -96,11 +96,10 @@ def test_serve_prints_url_and_sigint_stops_everything(tiny_llama):
             "8192",
             "--log-level",
             "warning",
-            # the 3000-token stream below must outlast 1 s + the 5 s grace period: on 2 fixed
-            # threads it takes ~7 s on the 2-core VM; adaptive threads (1 thread for the tiny
-            # model's forwards) finished it in 4.4 s, before the signal's deadline
-            "--num-threads",
-            "2",
+            # the 4000-token stream below must outlast 1 s + the grace period; with the default
+            # 5 s grace a 3000-token stream finished before the deadline once decode got faster
+            "--shutdown-grace",
+            "0.5",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -116,7 +115,7 @@ def test_serve_prints_url_and_sigint_stops_everything(tiny_llama):
             body = {
                 "text": "interrupted",
                 "stream": True,
-                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
             }
             try:
                 with httpx.stream("POST", url + "/generate", json=body, timeout=60) as resp:
