@@ -8,7 +8,7 @@
 //         scale[32 p + j]                                    float [P * 32]
 //   int4: w[p, k, j]  = q[32 p + j, k] | q[32 p + j + 16, k] << 4   (j < 16)  uint8 [P, K, 16]
 //         scale[p, g, j], mins[p, g, j] for features 32 p + j, inputs 32 g .. 32 g + 31
-//         W[n, k] = q * scale + min (GGUF Q4_1's form)            float [P, K / 32, 32]
+//         W[n, k] = q * scale + min (GGUF Q4_1's form)          float16 [P, K / 32, 32]
 // so the 32 features of one input k are one 16- or 32-byte load, expanded in registers into
 // two vectors (features j and j + 16; AVX2 takes each panel as two halves of 2 x 8 features).
 //
@@ -59,6 +59,9 @@ inline void q4_pair(const uint8_t* p, vf& lo, vf& hi) {
 inline vf q8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+inline vf vload_half(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
 #else
 constexpr const char* kIsa = "avx2";
 constexpr int W = 8;  // a panel is two halves, each a vector pair (features h*8.., 16+h*8..)
@@ -84,6 +87,9 @@ inline void q4_pair(const uint8_t* p, vf& lo, vf& hi) {  // 8 bytes
 }
 inline vf q8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline vf vload_half(const uint16_t* p) {  // F16C
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 }
 #endif
 constexpr int kHalves = 16 / W;  // vector pairs per panel
@@ -115,8 +121,8 @@ inline void store_pair(const Dest& d, int64_t m, int h, vf a0, vf a1) {
 // (features h*W.., 16+h*W..) of input k0 + k as floats.
 struct Int4Weights {
   const uint8_t* w;  // [K, 16] of this panel
-  const float* scale;  // [G, 32]
-  const float* mins;
+  const uint16_t* scale;  // float16 [G, 32]
+  const uint16_t* mins;
   struct Group {
     const uint8_t* w;
     vf s0, s1, m0, m1;
@@ -127,9 +133,10 @@ struct Int4Weights {
     }
   };
   inline Group group(int64_t k0, int h) const {
-    const float* s = scale + (k0 / kGroup) * kPanel + h * W;
-    const float* mn = mins + (k0 / kGroup) * kPanel + h * W;
-    return {w + k0 * 16 + h * W, vload(s), vload(s + 16), vload(mn), vload(mn + 16)};
+    const uint16_t* s = scale + (k0 / kGroup) * kPanel + h * W;
+    const uint16_t* mn = mins + (k0 / kGroup) * kPanel + h * W;
+    return {w + k0 * 16 + h * W, vload_half(s), vload_half(s + 16), vload_half(mn),
+            vload_half(mn + 16)};
   }
 };
 
@@ -263,9 +270,9 @@ void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
 }
 
-void check_floats(const torch::Tensor& t, int64_t numel, const char* what) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == numel,
-              what, " must be a contiguous float32 tensor of ", numel, " elements");
+void check_vector(const torch::Tensor& t, at::ScalarType type, int64_t numel, const char* what) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == numel, what,
+              " must be a contiguous ", c10::toString(type), " tensor of ", numel, " elements");
 }
 
 }  // namespace
@@ -276,7 +283,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   const int64_t P = w.size(0), K = w.size(1), M = x.size(0);
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
   check_x(x, K);
-  check_floats(scale, P * kPanel, "scale");
+  check_vector(scale, torch::kFloat, P * kPanel, "scale");
   auto out = torch::empty({M, N}, x.options());
   const int8_t* wp = w.data_ptr<int8_t>();
   panel_gemm(x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), scale.data_ptr<float>(),
@@ -293,12 +300,12 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
   check_x(x, K);
   const int64_t G = K / kGroup;
-  check_floats(scale, P * G * kPanel, "scale");
-  check_floats(mins, P * G * kPanel, "mins");
+  check_vector(scale, torch::kHalf, P * G * kPanel, "scale");
+  check_vector(mins, torch::kHalf, P * G * kPanel, "mins");
   auto out = torch::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   panel_gemm(x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), nullptr, [&](int64_t p) {
     return Int4Weights{wp + p * K * 16, sp + p * G * kPanel, mp + p * G * kPanel};
   });
