@@ -77,8 +77,9 @@ def gemm_step(model: str, methods: list[str], batches: list[int], repeats: int,
 
 
 def in_process_steps(model: str, methods: list[str], batches: list[int], context: int,
-                     steps: int, repeats: int, lm_head: bool, clock) -> None:
-    """Decode steps of one in-process Scheduler per method, `steps` at a time, alternating."""
+                     steps: int, repeats: int, lm_head: bool, threads: int, clock) -> None:
+    """Decode steps of one in-process Scheduler per method, `steps` at a time, alternating;
+    on `threads` fixed threads (0: the runner's adaptive thread count)."""
     from benchmarks.profile_steps import InProcess, _prompts
     from plait.kernels.fused_ops import start_fused_ops
 
@@ -86,6 +87,8 @@ def in_process_steps(model: str, methods: list[str], batches: list[int], context
     runs = {}
     for m in methods:
         kw = {} if m == "none" else {"quantization": m, "quantize_lm_head": lm_head}
+        if threads:
+            kw["num_threads"] = threads
         runs[m] = InProcess(path, max_total_tokens=max(batches) * (context + 64) * 2 + 1024,
                             **kw)
     start_fused_ops(block=True)  # the kernels built in the background: in place for all
@@ -125,7 +128,8 @@ def main(argv=None) -> None:
     ap.add_argument("--isa", choices=["avx512", "avx2"], help="--gemms: the kernel build")
     ap.add_argument("--in-process", action="store_true", help="scheduler steps in this process")
     ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads for --gemms/--in-process; 1: CPU time of this thread")
+                    help="fixed torch threads for --gemms/--in-process (default: all cores, "
+                    "adaptive in-process); 1: the clock is this thread's CPU time")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     batches = [int(b) for b in args.batches.split(",")]
@@ -140,7 +144,7 @@ def main(argv=None) -> None:
                          clock)
     if args.in_process:
         return in_process_steps(args.model, methods, batches, args.context, args.steps,
-                                args.repeats, args.lm_head, clock)
+                                args.repeats, args.lm_head, args.threads, clock)
     vocab = ModelConfig.from_dir(str(resolve_model_path(args.model))).vocab_size
     engines = {}
     for m in methods:
