@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -27,30 +28,60 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # int4 inputs per scale/min pair
-LARGE_BATCH = 64
+PANEL = 32  # output features per panel of the kernels' weight layout
 _SOURCE = Path(__file__).with_name("woq_cpu.cpp")
-_ext = None
+_COMMON_FLAGS = ["-O3", "-fopenmp"]
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+_ext: dict[str, ModuleType] = {}
 
 
-def load_kernels():
-    """The compiled kernels (built on first use, then loaded from torch's extension cache)."""
-    global _ext
-    if _ext is not None:
-        return _ext
+def available_isas() -> list[str]:
+    """The kernel builds this CPU can run, best first (torch's own run-time CPU probe)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
+    return {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
+
+
+def load_kernels(isa: str | None = None) -> ModuleType:
+    """The compiled kernels for `isa` (default: the best this CPU runs), built on first use,
+    then loaded from torch's extension cache. Without an `isa`, a failed AVX-512 build
+    (an old compiler) falls back to the AVX2 one."""
+    isas = available_isas()
+    if not isas:
         raise RuntimeError(
-            f"quantization: the int8/int4 CPU kernels need AVX2 and FMA (this CPU: {capability})"
+            "quantization: the int8/int4 CPU kernels need AVX2 and FMA "
+            f"(this CPU: {torch.backends.cpu.get_cpu_capability()})"
         )
+    if isa is not None and isa not in isas:
+        raise ValueError(f"quantization: this CPU cannot run the {isa} kernels (it runs {isas})")
+    for candidate in [isa] if isa else isas:
+        try:
+            return _load(candidate)
+        except RuntimeError as e:
+            if isa or candidate == isas[-1]:
+                raise
+            logger.warning("quantization: %s; trying the %s kernels", e, isas[-1])
+    raise AssertionError("unreachable")
+
+
+def _load(isa: str) -> ModuleType:
+    if isa in _ext:
+        return _ext[isa]
     from plait.kernels.cpp_build import load_extension
 
     try:
-        _ext = load_extension(
-            "plait_woq_cpu", _SOURCE, ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
+        module = load_extension(
+            f"plait_woq_cpu_{isa}", _SOURCE, _COMMON_FLAGS + ISA_FLAGS[isa], ["-fopenmp"]
         )
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, build error
-        raise RuntimeError(f"quantization: building the CPU kernels failed: {e}") from e
-    return _ext
+        raise RuntimeError(f"building the {isa} int8/int4 CPU kernels failed: {e}") from e
+    assert module.isa == isa, (module.isa, isa)
+    _ext[isa] = module
+    return module
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -t.shape[0] % multiple
+    return torch.cat((t, t.new_zeros(pad, *t.shape[1:]))) if pad else t
 
 
 # ----------------------------------------------------------------------------- int8
@@ -66,51 +97,106 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+def to_panels_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, K], scale [N]) -> the kernels' layout: (q [P, K, 32], scale [P * 32]), the
+    features zero-padded to P * 32."""
+    k = q.shape[1]
+    panels = _pad_rows(q, PANEL).reshape(-1, PANEL, k).transpose(1, 2)  # [P, K, 32]
+    return panels.contiguous(), _pad_rows(scale, PANEL).contiguous()
+
+
+def from_panels_int8(panels: torch.Tensor, scale: torch.Tensor, n: int):
+    """The inverse of to_panels_int8: (q [N, K], scale [N])."""
+    q = panels.transpose(1, 2).reshape(-1, panels.shape[1])
+    return q[:n], scale[:n]
+
+
 # ----------------------------------------------------------------------------- int4
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> (packed uint8 [N, K/2], scale [N, K/32], min [N, K/32]); asymmetric
-    min/max rounding per group of 32 inputs, nibbles in GGUF Q4_1's order."""
+    min/max rounding per group of 32 inputs, nibbles in GGUF Q4_1's order, scale and min in
+    float16 as Q4_1's (a sixth fewer bytes than float32 ones: batch-1 decode reads them all;
+    and a Q4_1 checkpoint's own float16 values come back exactly)."""
     n, k = weight.shape
     if k % GROUP:
         raise ValueError(f"quantization: int4 needs in_features divisible by {GROUP}, got {k}")
     w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    if not bool(w.abs().amax() <= torch.finfo(torch.float16).max):
+        raise ValueError("quantization: int4's float16 scales and mins hold weights up to 65504")
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
-    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    scale, lo = ((hi - lo) / 15.0).half(), lo.half()
+    step = scale.float()[..., None]
+    q = torch.where(step > 0, (w - lo.float()[..., None]) / step, 0.0)  # 0 in constant groups
+    q = torch.round(q).clamp(0, 15).to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)  # byte j: element j (low), j + 16 (high)
     return packed.reshape(n, k // 2).contiguous(), scale.contiguous(), lo.contiguous()
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Q4_1-ordered nibbles [N, K/2] -> q uint8 [N, K] (0..15)."""
     n, half = packed.shape
     p = packed.reshape(n, -1, GROUP // 2)
-    q = torch.cat((p & 0x0F, p >> 4), dim=-1).float()  # [N, G, 32]
-    return (q * scale[..., None] + mins[..., None]).reshape(n, half * 2)
+    return torch.cat((p & 0x0F, p >> 4), dim=-1).reshape(n, half * 2)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    q = unpack_int4(packed).float().reshape(n, -1, GROUP)  # [N, G, 32]
+    return (q * scale.float()[..., None] + mins.float()[..., None]).reshape(n, half * 2)
+
+
+def to_panels_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor):
+    """Q4_1 layout -> the kernels': (nibbles uint8 [P, K, 16], scale, min [P, K/32, 32]),
+    byte j of input k holding feature j (low nibble) and j + 16 (high) of the panel; the
+    features zero-padded to P * 32 (padding dequantizes to 0)."""
+    k = packed.shape[1] * 2
+    q = _pad_rows(unpack_int4(packed), PANEL).reshape(-1, PANEL, k).transpose(1, 2)  # [P, K, 32]
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [P, G, 32]
+        return _pad_rows(t, PANEL).reshape(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+    return nibbles.contiguous(), per_group(scale), per_group(mins)
+
+
+def from_panels_int4(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, n: int):
+    """The inverse of to_panels_int4: Q4_1 layout (packed [N, K/2], scale, min [N, K/32])."""
+    k = nibbles.shape[1]
+    q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)  # [P, K, 32]
+    q = q.transpose(1, 2).reshape(-1, k // GROUP, GROUP)[:n]  # [N, G, 32]
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [P, G, 32] -> [N, G]
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+    return packed, per_row(scale), per_row(mins)
 
 
 # ----------------------------------------------------------------------------- modules
 class _QuantizedLinear(nn.Module):
-    """y = x @ W.T + bias with W stored quantized (x: [..., in] float32)."""
+    """y = x @ W.T + bias with W stored quantized (x: [..., in] float32), in the kernels'
+    panel layout; `isa` picks a kernel build (default: the best this CPU runs)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().clone()
+        self._ops = load_kernels(isa)
 
-    def dequantized(self) -> torch.Tensor:  # [out, in] float32
+    @property
+    def isa(self) -> str:
+        return self._ops.isa
+
+    def dequantized(self) -> torch.Tensor:  # [out, in] float32, the kernels' reference
         raise NotImplementedError
 
-    def _small_batch(self, x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > LARGE_BATCH:
-            out = nn.functional.linear(flat.float(), self.dequantized(), self.bias)
-        else:
-            out = self._small_batch(flat.float().contiguous())
-            if self.bias is not None:
-                out += self.bias
+        out = self._linear(x.reshape(-1, self.in_features).float().contiguous())
+        if self.bias is not None:
+            out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     @property
@@ -119,34 +205,35 @@ class _QuantizedLinear(nn.Module):
 
 
 class Int8Linear(_QuantizedLinear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__(weight, bias)
-        q, scale = quantize_int8(weight)
-        self.register_buffer("qweight", q, persistent=False)
-        self.register_buffer("scale", scale, persistent=False)
-        self._ops = load_kernels()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 isa: str | None = None) -> None:
+        super().__init__(weight, bias, isa)
+        q, scale = to_panels_int8(*quantize_int8(weight))
+        self.register_buffer("qweight", q, persistent=False)  # [P, K, 32]
+        self.register_buffer("scale", scale, persistent=False)  # [P * 32]
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int8(self.qweight, self.scale)
+        return dequantize_int8(*from_panels_int8(self.qweight, self.scale, self.out_features))
 
-    def _small_batch(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.int8_linear(x, self.qweight, self.scale)
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.int8_linear(x, self.qweight, self.scale, self.out_features)
 
 
 class Int4Linear(_QuantizedLinear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__(weight, bias)
-        packed, scale, mins = quantize_int4(weight)
-        self.register_buffer("qweight", packed, persistent=False)
-        self.register_buffer("scale", scale, persistent=False)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 isa: str | None = None) -> None:
+        super().__init__(weight, bias, isa)
+        nibbles, scale, mins = to_panels_int4(*quantize_int4(weight))
+        self.register_buffer("qweight", nibbles, persistent=False)  # [P, K, 16]
+        self.register_buffer("scale", scale, persistent=False)  # [P, K/32, 32]
         self.register_buffer("mins", mins, persistent=False)
-        self._ops = load_kernels()
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int4(self.qweight, self.scale, self.mins)
+        q4_1 = from_panels_int4(self.qweight, self.scale, self.mins, self.out_features)
+        return dequantize_int4(*q4_1)
 
-    def _small_batch(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.int4_linear(x, self.qweight, self.scale, self.mins)
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.int4_linear(x, self.qweight, self.scale, self.mins, self.out_features)
 
 
 def quantize_linears(model: nn.Module, linear_cls: type[_QuantizedLinear]) -> int:

@@ -1,161 +1,319 @@
-// Weight-only quantized linears for the CPU (AVX2 + FMA): y = x @ dequant(W).T, x fp32.
-// Decode at small batches reads every weight once per step, so fewer weight bytes are fewer
-// bytes of memory traffic; the weights are converted to fp32 in registers, never in memory.
-//   int8: W[n, k] = q[n, k] * scale[n]                    (q: int8 [N, K], per output row)
-//   int4: W[n, k] = q[n, k] * scale[n, g] + min[n, g]     (g = k / 32; q: 0..15, two per
-//         byte in GGUF Q4_1's order: byte j of a group holds element j (low nibble) and
-//         element j + 16 (high nibble); packed [N, K / 2] uint8)
-// Activation rows are taken in chunks of kRowChunk so a chunk stays in cache while each
-// thread streams its share of the weight rows.
+// Weight-only quantized linears for the CPU: y = x @ dequant(W).T with x and y fp32.
+// One source, compiled twice (plait/kernels/woq.py picks the build at run time): with
+// -mavx512f (16-float vectors) and with -mavx2 -mfma (8-float vectors).
+//
+// Weights are stored in panels of 32 output features (woq.py's to_panels_* writes them; the
+// last panel is zero-padded):
+//   int8: w[p, k, j]  = q[32 p + j, k]                       int8  [P, K, 32]
+//         scale[32 p + j]                                    float [P * 32]
+//   int4: w[p, k, j]  = q[32 p + j, k] | q[32 p + j + 16, k] << 4   (j < 16)  uint8 [P, K, 16]
+//         scale[p, g, j], mins[p, g, j] for features 32 p + j, inputs 32 g .. 32 g + 31
+//         W[n, k] = q * scale + min (GGUF Q4_1's form)          float16 [P, K / 32, 32]
+// so the 32 features of one input k are one 16- or 32-byte load, expanded in registers into
+// two vectors (features j and j + 16; AVX2 takes each panel as two halves of 2 x 8 features).
+//
+// The GEMM is a register-tiled outer product: a tile of MR activation rows x one panel keeps
+// MR x 2 vector accumulators; per input k it broadcasts x[m, k] and multiplies it into the two
+// weight vectors. Each thread owns a range of panels. For each block of up to kRowBlock rows,
+// the first MR rows run straight from the quantized weights ("direct": dequantized in
+// registers) and, when more rows follow, also write the dequantized panel (K x 32 floats,
+// <= 200 KB for K = 1536: L2) to a per-thread scratch that the remaining row tiles read. So
+// the weights are dequantized once per panel and row block, not once per row, and never for
+// the whole matrix: the old kernel dequantized per (weight row, 4 activation rows) and reread
+// all activation rows from L2 per weight row, 3x slower than fp32 at batch 32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <vector>
+
 namespace {
 
-constexpr int64_t kRowChunk = 32;
-constexpr int64_t kGroup = 32;
+constexpr int64_t kPanel = 32;  // output features per panel
+constexpr int64_t kGroup = 32;  // int4 inputs per scale/min pair
+constexpr int64_t kRowBlock = 64;  // activation rows per block: x block <= 384 KB at K = 1536
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+constexpr int W = 16;  // floats per vector: one vector pair covers a whole panel
+constexpr int kDirectRows = 8;  // 16 accumulators + dequantization temporaries in 32 registers
+constexpr int kScratchRows = 12;  // 24 accumulators + 2 weight vectors
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vbcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void vstore_n(float* p, vf v, int64_t n) {  // the first n (< W) floats
+  _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
 }
 
-inline __m256 load_i8(const int8_t* p) {
+// 16 bytes -> their low nibbles (features j) and high nibbles (features j + 16) as floats
+inline void q4_pair(const uint8_t* p, vf& lo, vf& hi) {
+  __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+}
+inline vf q8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline vf vload_half(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+#else
+constexpr const char* kIsa = "avx2";
+constexpr int W = 8;  // a panel is two halves, each a vector pair (features h*8.., 16+h*8..)
+constexpr int kDirectRows = 4;  // 16 ymm registers
+constexpr int kScratchRows = 6;  // 12 accumulators + 2 weight vectors + the broadcast
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vbcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline void vstore_n(float* p, vf v, int64_t n) {
+  const __m256i first_n =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  _mm256_maskstore_ps(p, first_n, v);
+}
+inline void q4_pair(const uint8_t* p, vf& lo, vf& hi) {  // 8 bytes
+  __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+}
+inline vf q8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
+inline vf vload_half(const uint16_t* p) {  // F16C
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+#endif
+constexpr int kHalves = 16 / W;  // vector pairs per panel
 
-inline __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+// Where one tile writes: rows of out (leading dimension ldo) at the panel's first column,
+// `cols` of its 32 columns valid (the last panel may be partial), an optional per-column
+// scale (int8's per-feature scale, applied once at the end).
+struct Dest {
+  float* out;
+  int64_t ldo;
+  int64_t cols;
+  const float* col_scale;
+};
 
-// int8: NB weight rows x BB activation rows of out
-template <int NB, int BB>
-void tile_int8(const float* x, const int8_t* w, const float* scale, float* out, int64_t K,
-               int64_t N, int64_t n0, int64_t b0) {
-  __m256 acc[NB][BB];
-  for (int i = 0; i < NB; i++)
-    for (int j = 0; j < BB; j++) acc[i][j] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[NB];
-    for (int i = 0; i < NB; i++) wv[i] = load_i8(w + (n0 + i) * K + k);
-    for (int j = 0; j < BB; j++) {
-      __m256 xv = _mm256_loadu_ps(x + (b0 + j) * K + k);
-      for (int i = 0; i < NB; i++) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
-    }
-  }
-  for (int i = 0; i < NB; i++)
-    for (int j = 0; j < BB; j++) {
-      float s = hsum(acc[i][j]);
-      for (int64_t kk = k; kk < K; kk++) s += x[(b0 + j) * K + kk] * w[(n0 + i) * K + kk];
-      out[(b0 + j) * N + n0 + i] = s * scale[n0 + i];
-    }
+inline void store_vec(const Dest& d, float* p, int64_t c, vf a) {
+  if (d.col_scale) a = vmul(a, vload(d.col_scale + c));
+  if (d.cols >= c + W) vstore(p + c, a);
+  else if (d.cols > c) vstore_n(p + c, a, d.cols - c);
 }
 
-// int4: one weight row x BB activation rows; xsum[b, g] = sum of x over group g (for the mins)
-template <int BB>
-void tile_int4(const float* x, const float* xsum, const uint8_t* w, const float* scale,
-               const float* mins, float* out, int64_t K, int64_t N, int64_t n, int64_t b0) {
-  const int64_t G = K / kGroup;
-  const uint8_t* row = w + n * (K / 2);
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m256 acc[BB];
-  for (int j = 0; j < BB; j++) acc[j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; g++) {
-    __m128i v = _mm_loadu_si128((const __m128i*)(row + g * 16));
-    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    __m256 w0 = u8_to_ps(lo), w1 = u8_to_ps(_mm_srli_si128(lo, 8));
-    __m256 w2 = u8_to_ps(hi), w3 = u8_to_ps(_mm_srli_si128(hi, 8));
-    __m256 d = _mm256_set1_ps(scale[n * G + g]);
-    for (int j = 0; j < BB; j++) {
-      const float* xg = x + (b0 + j) * K + g * kGroup;
-      __m256 s0 = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-      __m256 s1 = _mm256_mul_ps(w1, _mm256_loadu_ps(xg + 8));
-      s0 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), s0);
-      s1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), s1);
-      acc[j] = _mm256_fmadd_ps(d, _mm256_add_ps(s0, s1), acc[j]);
+inline void store_pair(const Dest& d, int64_t m, int h, vf a0, vf a1) {
+  float* row = d.out + m * d.ldo;
+  store_vec(d, row, h * W, a0);
+  store_vec(d, row, 16 + h * W, a1);
+}
+
+// Weight sources, read one group of kGroup inputs at a time (int4's scale and min are
+// per group: kept in registers across it): group(k0, h).pair(k) gives the vector pair
+// (features h*W.., 16+h*W..) of input k0 + k as floats.
+struct Int4Weights {
+  const uint8_t* w;  // [K, 16] of this panel
+  const uint16_t* scale;  // float16 [G, 32]
+  const uint16_t* mins;
+  struct Group {
+    const uint8_t* w;
+    vf s0, s1, m0, m1;
+    inline void pair(int64_t k, vf& w0, vf& w1) const {
+      q4_pair(w + k * 16, w0, w1);
+      w0 = vfma(w0, s0, m0);
+      w1 = vfma(w1, s1, m1);
+    }
+  };
+  inline Group group(int64_t k0, int h) const {
+    const uint16_t* s = scale + (k0 / kGroup) * kPanel + h * W;
+    const uint16_t* mn = mins + (k0 / kGroup) * kPanel + h * W;
+    return {w + k0 * 16 + h * W, vload_half(s), vload_half(s + 16), vload_half(mn),
+            vload_half(mn + 16)};
+  }
+};
+
+struct Int8Weights {  // q as floats; the per-feature scale is applied at the store
+  const int8_t* w;  // [K, 32] of this panel
+  struct Group {
+    const int8_t* w;
+    inline void pair(int64_t k, vf& w0, vf& w1) const {
+      w0 = q8(w + k * kPanel);
+      w1 = q8(w + k * kPanel + 16);
+    }
+  };
+  inline Group group(int64_t k0, int h) const { return {w + k0 * kPanel + h * W}; }
+};
+
+struct Fp32Weights {  // the dequantized scratch, [K, 32]
+  const float* w;
+  struct Group {
+    const float* w;
+    inline void pair(int64_t k, vf& w0, vf& w1) const {
+      w0 = vload(w + k * kPanel);
+      w1 = vload(w + k * kPanel + 16);
+    }
+  };
+  inline Group group(int64_t k0, int h) const { return {w + k0 * kPanel + h * W}; }
+};
+
+// MR rows of x (from row m0) x vector pair h of one panel. SPLIT independent accumulator sets
+// over alternate k: one row alone has only two accumulation chains, too few to cover the FMA
+// latency. With `scratch`, also writes the pair's weights there (for the next row tiles).
+template <int MR, int SPLIT, bool STORE, class Weights>
+void tile(const float* x, int64_t ldx, int64_t K, const Weights& wt, int h, const Dest& d,
+          int64_t m0, float* __restrict scratch) {
+  vf acc[SPLIT][MR][2];
+#pragma GCC unroll 2
+  for (int s = 0; s < SPLIT; s++)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; m++) acc[s][m][0] = acc[s][m][1] = vzero();
+  for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+    const auto grp = wt.group(k0, h);
+    const float* xk = x + m0 * ldx + k0;
+    float* __restrict sk = STORE ? scratch + k0 * kPanel + h * W : nullptr;
+    const int64_t kn = std::min(kGroup, K - k0);  // < kGroup: int8's last, partial group
+    for (int64_t k = 0; k < kn; k += SPLIT) {
+#pragma GCC unroll 2
+      for (int s = 0; s < SPLIT; s++) {
+        if (k + s >= kn) break;  // only in a partial group (SPLIT 2, odd K)
+        vf w0, w1;
+        grp.pair(k + s, w0, w1);
+        if constexpr (STORE) {
+          vstore(sk + (k + s) * kPanel, w0);
+          vstore(sk + (k + s) * kPanel + 16, w1);
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; m++) {
+          const vf xb = vbcast(xk + m * ldx + k + s);
+          acc[s][m][0] = vfma(w0, xb, acc[s][m][0]);
+          acc[s][m][1] = vfma(w1, xb, acc[s][m][1]);
+        }
+      }
     }
   }
-  for (int j = 0; j < BB; j++) {
-    float m = 0.f;
-    for (int64_t g = 0; g < G; g++) m += mins[n * G + g] * xsum[(b0 + j) * G + g];
-    out[(b0 + j) * N + n] = hsum(acc[j]) + m;
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; m++) {
+    vf a0 = acc[0][m][0], a1 = acc[0][m][1];
+#pragma GCC unroll 2
+    for (int s = 1; s < SPLIT; s++) {
+      a0 = vadd(a0, acc[s][m][0]);
+      a1 = vadd(a1, acc[s][m][1]);
+    }
+    store_pair(d, m0 + m, h, a0, a1);
   }
+}
+
+// rows [m0, m0 + rows) with rows <= MAX, as one tile of exactly `rows` rows
+template <int MAX, class Weights>
+void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t K, const Weights& wt, int h,
+               const Dest& d, int64_t m0, float* scratch) {
+  if constexpr (MAX > 0) {
+    if (rows == MAX) {
+      constexpr int SPLIT = MAX <= 2 ? 2 : 1;
+      if (scratch) return tile<MAX, SPLIT, true>(x, ldx, K, wt, h, d, m0, scratch);
+      return tile<MAX, SPLIT, false>(x, ldx, K, wt, h, d, m0, nullptr);
+    }
+    return tile_rows<MAX - 1>(rows, x, ldx, K, wt, h, d, m0, scratch);
+  }
+}
+
+// One panel x rows [r0, r1): the first tile from the quantized weights (writing the scratch
+// when more rows follow), the rest from the scratch.
+template <class Weights>
+void panel_rows(const float* x, int64_t K, const Weights& wt, const Dest& d, int64_t r0,
+                int64_t r1, float* scratch) {
+  const int64_t first = std::min<int64_t>(r1 - r0, kDirectRows);
+  const bool more = r0 + first < r1;
+  for (int h = 0; h < kHalves; h++)
+    tile_rows<kDirectRows>(first, x, K, K, wt, h, d, r0, more ? scratch : nullptr);
+  if (!more) return;
+  const Fp32Weights dequantized{scratch};
+  for (int64_t m = r0 + first; m < r1; m += kScratchRows) {
+    const int64_t rows = std::min<int64_t>(r1 - m, kScratchRows);
+    for (int h = 0; h < kHalves; h++)
+      tile_rows<kScratchRows>(rows, x, K, K, dequantized, h, d, m, nullptr);
+  }
+}
+
+// out[M, N] = x[M, K] @ W.T over panels; make_weights(p) gives panel p's weight source.
+template <class MakeWeights>
+void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
+                const float* col_scale, MakeWeights make_weights) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t block_rows = (M + blocks - 1) / blocks;  // even blocks: no 1-row remnant
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> scratch;  // one dequantized panel
+    if (M > kDirectRows && (int64_t)scratch.size() < K * kPanel) scratch.resize(K * kPanel);
+    for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
+      const int64_t r1 = std::min(M, r0 + block_rows);
+      for (int64_t p = p0; p < p1; p++) {
+        const Dest d{out + p * kPanel, N, std::min(kPanel, N - p * kPanel),
+                     col_scale ? col_scale + p * kPanel : nullptr};
+        panel_rows(x, K, make_weights(p), d, r0, r1, scratch.data());
+      }
+    }
+  });
 }
 
 void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "x must be a contiguous float32 [B, K] tensor");
+              "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
+}
+
+void check_vector(const torch::Tensor& t, at::ScalarType type, int64_t numel, const char* what) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == numel, what,
+              " must be a contiguous ", c10::toString(type), " tensor of ", numel, " elements");
 }
 
 }  // namespace
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous());
-  const int64_t K = w.size(1), N = w.size(0);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t N) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kPanel && w.scalar_type() == torch::kChar &&
+              w.is_contiguous(), "w must be contiguous int8 panels [P, K, 32]");
+  const int64_t P = w.size(0), K = w.size(1), M = x.size(0);
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
   check_x(x, K);
-  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == torch::kFloat && scale.is_contiguous());
-  const int64_t B = x.size(0);
-  auto out = torch::empty({B, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  check_vector(scale, torch::kFloat, P * kPanel, "scale");
+  auto out = torch::empty({M, N}, x.options());
   const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  constexpr int NB = 4;
-  const int64_t blocks = (N + NB - 1) / NB;
-  for (int64_t c0 = 0; c0 < B; c0 += kRowChunk) {
-    const int64_t c1 = std::min(B, c0 + kRowChunk);
-    at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t blk = lo; blk < hi; blk++) {
-        const int64_t n0 = blk * NB;
-        if (n0 + NB > N) {  // the last rows, one at a time
-          for (int64_t n = n0; n < N; n++)
-            for (int64_t b = c0; b < c1; b++) tile_int8<1, 1>(xp, wp, sp, op, K, N, n, b);
-          continue;
-        }
-        int64_t b = c0;
-        for (; b + 2 <= c1; b += 2) tile_int8<NB, 2>(xp, wp, sp, op, K, N, n0, b);
-        for (; b < c1; b++) tile_int8<NB, 1>(xp, wp, sp, op, K, N, n0, b);
-      }
-    });
-  }
+  panel_gemm(x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), scale.data_ptr<float>(),
+             [&](int64_t p) { return Int8Weights{wp + p * K * kPanel}; });
   return out;
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
-                          torch::Tensor mins) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.is_contiguous());
-  const int64_t N = w.size(0), K = w.size(1) * 2;
+                          torch::Tensor mins, int64_t N) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == torch::kByte &&
+              w.is_contiguous(), "w must be contiguous uint8 panels [P, K, 16]");
+  const int64_t P = w.size(0), K = w.size(1), M = x.size(0);
   TORCH_CHECK(K % kGroup == 0, "int4: in_features must be a multiple of ", kGroup);
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
   check_x(x, K);
   const int64_t G = K / kGroup;
-  for (const auto& t : {scale, mins})
-    TORCH_CHECK(t.numel() == N * G && t.scalar_type() == torch::kFloat && t.is_contiguous());
-  const int64_t B = x.size(0);
-  auto xsum = x.view({B, G, kGroup}).sum(-1).contiguous();  // [B, G]
-  auto out = torch::empty({B, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* xs = xsum.data_ptr<float>();
+  check_vector(scale, torch::kHalf, P * G * kPanel, "scale");
+  check_vector(mins, torch::kHalf, P * G * kPanel, "mins");
+  auto out = torch::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t c0 = 0; c0 < B; c0 += kRowChunk) {
-    const int64_t c1 = std::min(B, c0 + kRowChunk);
-    at::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
-      for (int64_t n = lo; n < hi; n++) {
-        int64_t b = c0;
-        for (; b + 4 <= c1; b += 4) tile_int4<4>(xp, xs, wp, sp, mp, op, K, N, n, b);
-        for (; b < c1; b++) tile_int4<1>(xp, xs, wp, sp, mp, op, K, N, n, b);
-      }
-    });
-  }
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  panel_gemm(x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), nullptr, [&](int64_t p) {
+    return Int4Weights{wp + p * K * 16, sp + p * G * kPanel, mp + p * G * kPanel};
+  });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "y = x @ (q * scale[:, None]).T");
-  m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min, group 32).T");
+  m.def("int8_linear", &int8_linear, "y = x @ (q * scale[:, None]).T, q in 32-feature panels");
+  m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min, group 32).T, 32-feature panels");
+  m.attr("isa") = kIsa;
 }
