@@ -22,11 +22,24 @@ def test_quantized_linear_equals_dequantized_reference(cls, shape):
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
     m = cls(weight, bias)
-    for rows in (1, 2, 3, 5, 33, woq.LARGE_BATCH + 3):  # kernel tiles, row chunks, large path
+    for rows in (1, 2, 3, 5, 9, 13, 33, 131):  # register tiles, their tails, row blocks of 64
         x = torch.randn(rows, shape[1], generator=gen)
         torch.testing.assert_close(m(x), _reference(m, x), atol=1e-4, rtol=1e-4)
     x = torch.randn(2, 3, shape[1], generator=gen)  # leading dims are kept
     assert m(x).shape == (2, 3, shape[0])
+
+
+@pytest.mark.parametrize("isa", woq.available_isas())
+@pytest.mark.parametrize("cls", KERNELS)
+def test_every_isa_build_equals_the_reference(cls, isa):
+    """Each kernel build this CPU runs (AVX-512 machines also run the AVX2 one, which
+    AVX2-only hosts get), on a shape with a partial panel and odd rows."""
+    gen = torch.Generator().manual_seed(2)
+    m = cls(torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen), isa=isa)
+    assert m.isa == isa
+    for rows in (1, 4, 7, 70):
+        x = torch.randn(rows, 96, generator=gen)
+        torch.testing.assert_close(m(x), _reference(m, x), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("cls, max_error", [(woq.Int8Linear, 0.01), (woq.Int4Linear, 0.1)])
