@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from benchmarks import workloads as wl
+from benchmarks.engine import build_cpu_kernels
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -59,6 +60,7 @@ _PLAIT = """
 import sys
 import plait
 from benchmarks import workloads as wl
+from benchmarks.engine import build_cpu_kernels
 from plait.models.config import ModelConfig
 model, threads = sys.argv[1], int(sys.argv[2]) or None
 w = wl.decode(ModelConfig.from_dir(model).vocab_size, n=16, prompt_len=128, out=64)
@@ -164,10 +166,13 @@ def measure(args) -> dict:
 
     model = resolve_model_path(args.model)
     w = wl.suite(ModelConfig.from_dir(model).vocab_size, quick=args.quick)[args.workload]
+    build_cpu_kernels()
     engines = _engines(set(args.engines.split(",")), model, w, args)
     runs: dict = {e.name: {"quiet": [], "contended": []} for e in engines}
     try:
         for e in engines:
+            if hasattr(e, "warm_up"):  # plait: kernels loaded, thread tuner trained
+                e.warm_up()
             e.run_suite(w.head(2))  # warm-up
         for rep in range(args.repeats):
             phases = ("quiet", "contended") if rep % 2 == 0 else ("contended", "quiet")

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import plait
+from benchmarks.engine import build_cpu_kernels
 from plait.models.config import ModelConfig
 from plait.models.resolve import resolve_model_path
 
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     vocab = ModelConfig.from_dir(str(resolve_model_path(args.model))).vocab_size
     tokens = max(batches) * (args.context + args.steps + 8) + 1024
+    build_cpu_kernels()
     engines = {n: plait.Engine(args.model, log_level="warning", max_total_tokens=tokens,
                                **parse_variant(n)) for n in names}
     rows = []

@@ -162,9 +162,9 @@ def warm_kernels() -> None:
     """Build (or load) plait's CPU decode attention kernel here first: a scheduler started while
     it compiles serves on torch's path meanwhile (a minute the first time), and its step would be
     timed beside the compiler."""
-    from plait.kernels.cpu_attention import start_decode_kernel
+    from benchmarks.engine import build_cpu_kernels
 
-    start_decode_kernel(block=True)
+    build_cpu_kernels()
 
 
 def resolve_model(name: str) -> str:

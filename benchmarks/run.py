@@ -202,6 +202,7 @@ def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = 
 
     engines: list = []
     if "plait" in which:
+        be.build_cpu_kernels(quantization=bool(quantizations))
         for q in quantizations:  # weight-only quantized decoder linears (--quantization)
             engines.append(be.PlaitEngine(quantized_name(q), model, max_total_tokens=PLAIT_KV_TOKENS,
                                           log_level="warning", quantization=q))
@@ -218,6 +219,7 @@ def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = 
             )
         )
         for e in engines:
+            e.warm_up()
             e.warmup = lambda w, e=e: e.run_suite(w.head(2))
     if "hf" in which:
         for e in (be.HFOneAtATime(model), be.HFStaticBatch(model, 16)):
@@ -277,6 +279,8 @@ def summarize(raw: dict, workloads: dict[str, wl.SuiteWorkload], model: str) -> 
     for name, rows in raw.items():
         w = workloads[name]
         ref = rows.get(REF, {}).get("outputs")
+        if ref is not None and w.json_schema:  # compared as the engines' outputs are, below
+            ref = [checker.strip_eos(o) for o in ref]
         out = summary[name] = {}
         for engine, row in rows.items():
             if "error" in row and not row.get("runs"):

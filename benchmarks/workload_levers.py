@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks import workloads as wl
-from benchmarks.engine import PlaitEngine
+from benchmarks.engine import PlaitEngine, build_cpu_kernels
 from benchmarks.levers import parse_variant
 from plait.models.config import ModelConfig
 from plait.models.resolve import resolve_model_path
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     model = str(resolve_model_path(args.model))
     vocab = ModelConfig.from_dir(model).vocab_size
     loads = workloads(vocab, [w.strip() for w in args.workloads.split(",")])
+    build_cpu_kernels()
     engines = {
         n: PlaitEngine(
             n, model, log_level="warning", max_total_tokens=KV_TOKENS, **parse_variant(n)
@@ -62,10 +63,8 @@ def main(argv=None) -> int:
     }
     rows = []
     try:
-        end = time.time() + args.warmup_s
-        while time.time() < end:
-            for e in engines.values():
-                e.generate([[11, 12, 13] * 20] * 2, 4)
+        for e in engines.values():
+            e.warm_up(args.warmup_s / len(engines))
         for w in loads.values():
             for e in engines.values():
                 e.run_suite(w.head(2))
