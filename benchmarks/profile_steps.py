@@ -283,9 +283,10 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args(argv)
-    from plait.models.embedded import ensure_checkpoint
 
-    prof = run(args.model or str(ensure_checkpoint("plait-tiny")), args.quick)
+    from plait.models.resolve import resolve_model_path
+
+    prof = run(resolve_model_path(args.model or "plait-tiny"), args.quick)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(prof, f, indent=1)

@@ -15,7 +15,8 @@ starts on what its load level learnt even when contention changed since it last 
 the tuner runs the count that measured fastest (median of its recent forwards) and probes the
 alternatives: when one was never measured, when its estimate is older than `stale_after_s`
 (or `max_interval` forwards passed), and at once when the running count's time jumped or
-drifted; probes of a count measured k times slower are spaced so that they cost about
+drifted and stayed so over a few re-measured forwards (a stall of a few forwards is no
+change); probes of a count measured k times slower are spaced so that they cost about
 `probe_budget` of the time, and one far slower stops after a single forward. Pure logic: the
 caller sets torch's thread count and times the forward (`choose`, then `record`); the clock
 and the host's counters are injectable for tests.
@@ -100,6 +101,7 @@ class _Key:
     may_give_up: bool = False  # not on a count's first probe: it pays one-off set-up costs
     since_probe: int = 0
     reference: float | None = None  # the best's estimate at the last decision
+    confirming: bool = False  # the best's time changed: re-measuring it before a probe
     drifted: bool = False
     recheck: bool = False  # probe again after the gap (the last probe switched or was void)
 
@@ -234,22 +236,29 @@ class ThreadTuner:
         return max(self.cfg.min_gap, math.ceil(extra / self.cfg.probe_budget))
 
     def _check_drift(self, key: _Key, seconds: float) -> None:
-        """Contention came or went: the best's samples from before the change go (they
-        describe another host) and a probe follows at once."""
+        """Contention came or went: the best's time jumped (one forward) or drifted (the
+        median of the last few). Its samples from before go (they describe another host)
+        and the next few forwards re-measure it: if the change holds, a probe follows at
+        once; if not (a transient stall: measured on the 2-core VM, ~3 forwards in a row
+        at 3-5x whatever the thread count, now and then), nothing else happens. Without the
+        re-measure a probe was compared with the stalled forwards and switched to the
+        slower count for seconds."""
         if key.reference is None or key.drifted:
             return
         arm, k = key.arms[key.best], self.cfg.probe_forwards
-        if seconds > self.cfg.jump * key.reference:
-            keep = 1
-        elif len(arm.samples) >= k and not (
-            1 / self.cfg.drift_down < arm.median(k) / key.reference < self.cfg.drift_up
-        ):
-            keep = k
-        else:
+
+        def changed(t: float) -> bool:
+            return not 1 / self.cfg.drift_down < t / key.reference < self.cfg.drift_up
+
+        if key.confirming:
+            if len(arm.samples) >= k:
+                key.confirming = False
+                key.drifted = changed(arm.median(k))
             return
-        while len(arm.samples) > keep:
-            arm.samples.popleft()
-        key.drifted = True
+        jumped = seconds > self.cfg.jump * key.reference
+        if jumped or (len(arm.samples) >= k and changed(arm.median(k))):
+            arm.samples.clear()
+            key.confirming = True
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
