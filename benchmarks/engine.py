@@ -52,14 +52,15 @@ class PlaitEngine:
         self.engine = plait.Engine(model, **kwargs)
 
     def warm_up(self, seconds: float = 6.0) -> None:
-        """Untimed short requests (a 200-token prompt, then decode) for `seconds`: the
-        scheduler's background kernel loads finish and the thread tuner has measured the
-        forward shapes before the first timed run."""
-        prompt = [11 + i % 97 for i in range(200)]
+        """Untimed requests for `seconds` (8 distinct 250-token prompts, prefilled in one
+        2000-token forward, then 16 decode steps): the scheduler's background kernel loads
+        finish and the thread tuner has measured small and large forwards before the first
+        timed run."""
+        prompts = [[11 + (7 * j + i) % 997 for i in range(250)] for j in range(8)]
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             self.engine.flush_cache()
-            self.generate([prompt, prompt[::-1]] * 4, 16)
+            self.generate(prompts, 16)
 
     def restart(self) -> None:
         """A fresh engine (after one whose scheduler died)."""

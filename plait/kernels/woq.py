@@ -2,9 +2,10 @@
 
 Small-batch decode reads every weight once per step and does little arithmetic on it, so its
 time is the weights' bytes over the memory bandwidth: int8 weights are a quarter of fp32's
-bytes, int4 an eighth. The GEMMs run in plait's own kernel (woq_cpu.cpp, AVX2 + FMA, built with
-torch's cpp_extension on first use and cached per source version): weights are converted to fp32 in registers, the
-activations stay fp32. torch's own weight-only ops (`torch._weight_int8pack_mm`,
+bytes, int4 an eighth. The GEMMs run in plait's own kernels (woq_cpu.cpp, one AVX-512 and one
+AVX2 + FMA build picked at run time, built with torch's cpp_extension on first use and cached
+per source version): weights are stored in panels of 32 output features and dequantized in
+registers (once per panel and block of rows), the activations stay fp32. torch's own weight-only ops (`torch._weight_int8pack_mm`,
 `aten._weight_int4pack_mm_for_cpu`) were measured here first: correct but 6-20x slower than
 the fp32 GEMM on this AVX2 CPU, so unusable; fbgemm's dynamic int8 linear quantizes the
 activations too (1-2% error per GEMM), which is not weight-only.
@@ -12,8 +13,8 @@ activations too (1-2% error per GEMM), which is not weight-only.
 Formats (per output row n, per group g of 32 inputs for int4):
   int8: W[n, k] = q[n, k] * scale[n]              q int8 in [-127, 127], absmax scaling
   int4: W[n, k] = q[n, k] * scale[n, g] + min[n, g]   q in [0, 15] (GGUF Q4_1's form)
-Batches above LARGE_BATCH rows (prefill chunks) dequantize the weight to fp32 for that call and
-use torch's GEMM, which tiles large problems better than the small-batch kernel.
+Every batch size runs in the kernels (prefill chunks too: a row block reads a dequantized
+panel from a per-thread scratch).
 """
 
 from __future__ import annotations

@@ -70,6 +70,10 @@ class TunerConfig:
     drift_down: float = 1.5
     jump: float = 3.0
     give_up_ratio: float = 1.5  # a probe forward this much slower than the best ends the probe
+    # a load level must hold this long before its keys are probed: a neighbour's burst that
+    # just ended still reads as load for a moment, and a probe of 1 thread on a 2048-token
+    # prefill cost 1.4 s (measured: benchmarks.run's engines running in turn set it off)
+    settle_s: float = 1.0
 
 
 @dataclass
@@ -123,6 +127,7 @@ class ThreadTuner:
         self.switches = 0
         self.current = max_threads  # the count of the last forward chosen
         self.load = 0  # the load level of the last forward chosen
+        self._load_since = float("-inf")  # when the load level last changed (never yet)
 
     # ------------------------------------------------------------------ the two calls
     def choose(self, kind: str, tokens: int, load: int = 0) -> int:
@@ -130,9 +135,12 @@ class ThreadTuner:
         whose other processes use about `load` cores (HostLoad.level)."""
         key = self._key(kind, tokens, load)
         now = self.clock()
+        if load != self.load:
+            self._load_since = now
         for arm in key.arms.values():
             arm.prune(now, self.cfg.forget_after_s)
-        if key.probing is None and self._probe_due(key, now):
+        settled = now - self._load_since >= self.cfg.settle_s
+        if key.probing is None and settled and self._probe_due(key, now):
             self._start_probe(key)
         if key.probing is None:
             key.since_probe += 1
@@ -308,7 +316,7 @@ class HostLoad:
     def __init__(
         self, host_busy: Callable[[], float | None] = _host_busy_seconds,
         own_cpu: Callable[[], float] = _own_cpu_seconds, clock: Callable[[], float] = time.monotonic,
-        halflife_s: float = 1.0, min_interval_s: float = 0.05,
+        halflife_s: float = 0.3, min_interval_s: float = 0.05,
     ) -> None:
         self.host_busy, self.own_cpu, self.clock = host_busy, own_cpu, clock
         self.halflife_s, self.min_interval_s = halflife_s, min_interval_s

@@ -294,3 +294,20 @@ def test_a_transient_stall_does_not_switch_it():
 
     used = run(tuner, clock, cost, 3000)
     assert used[-2000:].count(2) / 2000 > 0.95
+
+
+def test_a_load_blip_does_not_probe_a_large_prefill():
+    """Engines running in turn (benchmarks.run): the previous one's burst still reads as load
+    for a moment, so the next engine's first prefills are keyed at a load level it never saw.
+    Probing 1 thread there cost a 2048-token prefill 1.4 s; a level must hold settle_s first."""
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    prefill = fixed({1: 2.6, 2: 1.2})
+    run(tuner, clock, prefill, 6, kind=EXTEND, tokens=2048, load=0)  # learnt: 2 threads
+    clock.now += 60.0
+    blip = fixed({1: 2.6, 2: 0.4})
+    assert run(tuner, clock, blip, 2, kind=EXTEND, tokens=2048, load=2) == [2, 2]
+    assert run(tuner, clock, prefill, 3, kind=EXTEND, tokens=2048, load=0) == [2, 2, 2]
+    # a load that holds is probed as before
+    used = run(tuner, clock, fixed({1: 2.0, 2: 5.0}), 4, kind=EXTEND, tokens=2048, load=1)
+    assert used[0] == 2 and 1 in used[1:]
