@@ -301,7 +301,7 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     import datetime as dt
 
-    from plait.models.embedded import ensure_checkpoint
+    from plait.models.resolve import resolve_model_path
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only-long", action="store_true",
                     help="only the long-maxLength per-token-cost check")
     args = ap.parse_args(argv)
-    model = str(ensure_checkpoint(args.model)) if not Path(args.model).is_dir() else args.model
+    model = resolve_model_path(args.model)  # a directory, a GGUF, or a name (plait-tiny, smollm2)
     schemas = {"extraction": json.dumps(wl.PERSON_SCHEMA, sort_keys=True)}
     schemas.update({name: json.dumps(s) for name, s in LONG_SCHEMAS.items()})
     for f in sorted(DEV.glob("*/*.json"))[::40][:5]:
@@ -340,9 +340,10 @@ def main(argv=None) -> int:
         print(json.dumps(res, indent=1))
         return 0
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "grammar.json").write_text(json.dumps(res, indent=1))
+    stem = "grammar" if args.model == "plait-tiny" else f"grammar-{Path(args.model).name}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
-    (RESULTS / "grammar.md").write_text(md)
+    (RESULTS / f"{stem}.md").write_text(md)
     print(md)
     return 0
 

@@ -302,6 +302,7 @@ class Scheduler:
                 self.chunked = req
                 self._retract_one()
                 return None
+        forced = False
         for req in [r for r in self.running if r.pending_len > 1]:  # jump-forward tokens
             n = req.pending_len
             if budget < n or not self.kv.alloc(req, n):
@@ -309,6 +310,18 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
+            forced = True
+        if forced:
+            # the requests with one pending token ride along (an extend of 1): otherwise
+            # they waited for a decode forward of their own right after this one, and a
+            # batch of JSON requests whose forced text comes at different steps ran two
+            # forwards (each reading all the weights) per generated token
+            for req in [r for r in self.running if r.pending_len == 1]:
+                if budget < 1 or not self.kv.alloc(req, 1):
+                    break
+                reqs.append(req)
+                lens.append(1)
+                budget -= 1
         if self.waiting and self.chunked is None:
             room = self.args.max_running_requests - len(self.running) - len(reqs)
             ordered = policy.order_waiting(self.waiting, self.args.schedule_policy, self.kv)
