@@ -11,11 +11,17 @@ lock file is stale and removed before torch looks at it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def build_directory(name: str) -> Path:
@@ -62,3 +68,39 @@ def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldfla
             return build()
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class BackgroundBuild:
+    """One kernel built (first start) or loaded in a background thread, at a lower CPU priority
+    than serving (Linux: the thread's nice value, inherited by the compiler it starts); the
+    caller runs torch's operators until `ready(module)` has been called. A build that fails
+    (no compiler, no ninja) logs a warning and leaves torch's path in place."""
+
+    def __init__(self, what: str, load: Callable[[], Any], ready: Callable[[Any], None]) -> None:
+        self.what, self._load, self._ready = what, load, ready
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self, block: bool = False) -> None:
+        """Start the build once; with `block`, wait for it to end."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"plait-build-{self.what}", daemon=True
+                )
+                self._thread.start()
+            thread = self._thread
+        if block:
+            thread.join()
+
+    def _run(self) -> None:
+        try:
+            os.nice(10)
+        except (OSError, AttributeError):  # not permitted, or not POSIX
+            pass
+        try:
+            module = self._load()
+        except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja, build error
+            logger.warning("%s unavailable (%s); using torch's operators", self.what, e)
+            return
+        self._ready(module)

@@ -22,15 +22,13 @@ these are the paths the CPU actually runs:
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from plait.kernels.base import AttentionMetadata
+from plait.kernels.cpp_build import BackgroundBuild
 from plait.kernels.cpu_extend import ExtendPlan, extend_attention_cpu, plan_extend  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -51,8 +49,6 @@ _KERNEL_FLAGS = {
     "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
 }
 _kernel = None  # the compiled decode kernel, once built or loaded
-_kernel_lock = threading.Lock()
-_kernel_thread: threading.Thread | None = None
 
 
 def kernel_isa() -> str | None:
@@ -67,37 +63,24 @@ def load_decode_kernel(isa: str):
     return load_extension(f"plait_attn_cpu_{isa}", _KERNEL_SOURCE, _KERNEL_FLAGS[isa], ["-fopenmp"])
 
 
-def _build_kernel(isa: str) -> None:
+def _set_kernel(module) -> None:
     global _kernel
-    try:  # Linux: this thread only, inherited by the compiler it starts (serving goes first)
-        os.nice(10)
-    except OSError:
-        pass
-    try:
-        mod = load_decode_kernel(isa)
-    except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja: keep torch's path
-        logger.warning("CPU decode attention kernel unavailable (%s); using torch's", e)
-        return
-    _kernel = mod
+    _kernel = module
+
+
+_build = BackgroundBuild(
+    "the CPU decode attention kernel", lambda: load_decode_kernel(kernel_isa()), _set_kernel
+)
 
 
 def start_decode_kernel(block: bool = False) -> bool:
     """Build or load the decode attention kernel (AVX-512 or AVX2, as the CPU allows), in a
     background thread unless `block` (the runner starts serving on torch's path meanwhile).
     True when it can be used now."""
-    global _kernel_thread
-    isa = kernel_isa()
-    if isa is None:
+    if kernel_isa() is None:
         return False
-    with _kernel_lock:
-        if _kernel is None and _kernel_thread is None:
-            _kernel_thread = threading.Thread(
-                target=_build_kernel, args=(isa,), name="plait-attn-kernel-build", daemon=True
-            )
-            _kernel_thread.start()
-        thread = _kernel_thread
-    if block and thread is not None:
-        thread.join()
+    if _kernel is None:
+        _build.start(block)
     return _kernel is not None
 
 

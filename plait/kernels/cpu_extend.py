@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,14 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from plait.kernels.base import AttentionMetadata
+from plait.kernels.cpp_build import BackgroundBuild
 
 logger = logging.getLogger(__name__)
 
 _KERNEL_SOURCE = Path(__file__).with_name("extend_attn_cpu.cpp")
 _kernel = None  # the compiled extend kernel, once built or loaded
 _kernel_width = 0  # floats per vector of the build (head_dim must be a multiple)
-_kernel_lock = threading.Lock()
-_kernel_thread: threading.Thread | None = None
 
 
 def kernel_flags() -> tuple[list[str], int] | None:
@@ -47,39 +44,29 @@ def kernel_flags() -> tuple[list[str], int] | None:
     return None
 
 
-def _build_kernel(flags: list[str], width: int) -> None:
-    global _kernel, _kernel_width
+def _load_kernel():
     from plait.kernels.cpp_build import load_extension
 
-    try:  # Linux: this thread only, inherited by the compiler it starts (serving goes first)
-        os.nice(10)
-    except OSError:
-        pass
-    try:
-        mod = load_extension("plait_extend_attn_cpu", _KERNEL_SOURCE, flags, ["-fopenmp"])
-    except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja: keep torch's path
-        logger.warning("CPU extend attention kernel unavailable (%s); using torch's", e)
-        return
-    _kernel_width = width
-    _kernel = mod
+    flags, width = kernel_flags()
+    return load_extension("plait_extend_attn_cpu", _KERNEL_SOURCE, flags, ["-fopenmp"]), width
+
+
+def _set_kernel(loaded) -> None:
+    global _kernel, _kernel_width
+    _kernel_width = loaded[1]
+    _kernel = loaded[0]
+
+
+_build = BackgroundBuild("the CPU extend attention kernel", _load_kernel, _set_kernel)
 
 
 def start_extend_kernel(block: bool = False) -> bool:
     """Build or load the extend attention kernel, in a background thread unless `block` (the
     runner serves on torch's path meanwhile). True when it can be used now."""
-    global _kernel_thread
-    flags = kernel_flags()
-    if flags is None:
+    if kernel_flags() is None:
         return False
-    with _kernel_lock:
-        if _kernel is None and _kernel_thread is None:
-            _kernel_thread = threading.Thread(
-                target=_build_kernel, args=flags, name="plait-extend-kernel-build", daemon=True
-            )
-            _kernel_thread.start()
-        thread = _kernel_thread
-    if block and thread is not None:
-        thread.join()
+    if _kernel is None:
+        _build.start(block)
     return _kernel is not None
 
 

@@ -19,19 +19,17 @@ cache), against `plait generate`'s ~10 s warm start.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from plait.kernels.cpp_build import BackgroundBuild
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("fused_cpu.cpp")
 _kernel: FusedOps | None = None  # the compiled kernels, once built or loaded
-_lock = threading.Lock()
-_thread: threading.Thread | None = None
 
 
 # ------------------------------------------------------------------ torch references
@@ -152,35 +150,27 @@ def _torch_lanes(module: ModuleType) -> tuple[int, int, bool]:
     return sum_lanes or 8, silu_lanes or 8, sum_lanes is not None and silu_lanes is not None
 
 
-def _build() -> None:
-    global _kernel
+def _load() -> ModuleType:
     from plait.kernels.cpp_build import load_extension
 
-    try:  # Linux: this thread only, inherited by the compiler it starts (serving goes first)
-        os.nice(10)
-    except OSError:
-        pass
-    try:
-        mod = load_extension("plait_fused_cpu", _SOURCE, build_flags(), ["-fopenmp"])
-    except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja: keep torch's ops
-        logger.warning("CPU fused layer operators unavailable (%s); using torch's", e)
-        return
-    _kernel = FusedOps(mod)
+    return load_extension("plait_fused_cpu", _SOURCE, build_flags(), ["-fopenmp"])
+
+
+def _set_kernel(module: ModuleType) -> None:
+    global _kernel
+    _kernel = FusedOps(module)
+
+
+_build = BackgroundBuild("the CPU fused layer operators", _load, _set_kernel)
 
 
 def start_fused_ops(block: bool = False) -> bool:
     """Build or load fused_cpu.cpp, in a background thread unless `block` (the model runs
     torch's operators meanwhile). True when the kernels can be used now."""
-    global _thread
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return False
-    with _lock:
-        if _kernel is None and _thread is None:
-            _thread = threading.Thread(target=_build, name="plait-fused-ops-build", daemon=True)
-            _thread.start()
-        thread = _thread
-    if block and thread is not None:
-        thread.join()
+    if _kernel is None:
+        _build.start(block)
     return _kernel is not None
 
 

@@ -108,24 +108,6 @@ def test_jump_forward_saves_forwards_and_off_forces_nothing(tiny_llama):
     assert forced > 0 and forwards < tokens
 
 
-def test_forced_tokens_share_a_forward_with_the_decoding_requests(tiny_llama):
-    """A jump-forward extend carries the requests with one pending token along (an extend of
-    1 each) instead of leaving them a decode forward of their own right after: every forward
-    decodes the free requests, so their 40 tokens take ~40 forwards however often the JSON
-    requests' text is forced (measured: 41 forwards; 44 before)."""
-    free = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
-    sp = [dict(free, json_schema=json.dumps(SCHEMA))] * 4 + [free] * 3
-    with plait.Engine(tiny_llama, max_total_tokens=8192) as eng:
-        before = eng.get_server_info()
-        outs = eng.generate(PROMPTS + PROMPTS[:3], sp)
-        info = eng.get_server_info()
-    assert [o["meta_info"]["completion_tokens"] for o in outs[4:]] == [40] * 3
-    forced = info["forced_tokens"] - before["forced_tokens"]
-    forwards = sum(info[k] - before[k] for k in ("extend_forwards", "decode_forwards"))
-    assert forced > 0, forced
-    assert forwards <= 40 + 2, (forwards, forced)  # a prefill or two (the grammar compiles beside)
-
-
 BOUNDED = {
     "type": "object",
     "properties": {

@@ -123,3 +123,26 @@ def test_hub_name_offline_is_a_clear_error(monkeypatch):
 
     with pytest.raises(ValueError, match="not a local directory.*hub"):
         resolve_model_path("some-org/some-model-that-is-not-here")
+
+
+def test_a_jump_forward_extend_carries_the_decoding_requests(make_scheduler):
+    """A request whose grammar forced text (pending tokens > 1) is computed in an extend; the
+    requests with one pending token ride along in it (an extend of 1 each) rather than waiting
+    for a decode forward of their own right after (a second pass over all the weights)."""
+    from plait.runtime.core import ForwardMode
+
+    s, io = make_scheduler(max_total_tokens=2048)
+    for i in range(3):
+        submit(io, f"r{i}", list(range(10 + i, 40 + i)), max_new_tokens=20, ignore_eos=True)
+    for _ in range(20):
+        s.step()
+        if len(s.running) == 3 and all(r.pending_len == 1 for r in s.running):
+            break
+    forced = s.running[0]
+    s._emit(forced, [11, 12])  # what jump-forward does with a grammar's forced text
+    assert forced.pending_len == 3
+    batch = s.next_batch()
+    assert batch.mode is ForwardMode.EXTEND
+    lens = {r.rid: n for r, n in zip(batch.reqs, batch.extend_lens)}
+    assert lens == {forced.rid: 3, **{r.rid: 1 for r in s.running if r is not forced}}
+    assert all(batch.samples_token)
