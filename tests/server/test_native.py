@@ -63,12 +63,11 @@ def test_n_returns_a_list(http):
 
 
 def test_stream_is_cumulative_and_ends_with_done(http):
-    full = generate(http, text="Streaming test", sampling_params={**GREEDY, "max_new_tokens": 10})
-    body = {
-        "text": "Streaming test",
-        "sampling_params": {**GREEDY, "max_new_tokens": 10},
-        "stream": True,
-    }
+    # long enough to stream in several events: a 10-token request (7 ms end to end) arrived
+    # as one event, its steps' outputs coalesced while the frontend was busy
+    sp = {**GREEDY, "max_new_tokens": 200, "ignore_eos": True}
+    full = generate(http, text="Streaming test", sampling_params=sp)
+    body = {"text": "Streaming test", "sampling_params": sp, "stream": True}
     with http.stream("POST", "/generate", json=body) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
