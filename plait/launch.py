@@ -224,6 +224,8 @@ def launch_children(args: ServerArgs) -> ChildProcesses:
             "args": dataclasses.asdict(args.replace(api_key=None)), "model_path": model_path,
             "input": rt.addrs.scheduler_input, "output": rt.addrs.detokenizer_input,
             "tp_init": tp_init,
+            # the engine's own processes: the tuner does not count their CPU as host load
+            "engine_pids": [os.getpid(), rt.procs["detokenizer"].popen.pid],
         })
         for rank in range(1, args.tp_size):  # tensor-parallel ranks > 0: forwards only
             rt.procs[f"tp{rank}"] = ChildProcess(f"tp{rank}", "tp_worker", {
@@ -332,8 +334,10 @@ def child_main() -> None:
     ready = ReadyPipe(fd)
     _exit_with_parent(os.getppid())
     if role == "scheduler":
+        from plait.runtime import thread_tuner
         from plait.runtime.scheduler_process import run_scheduler_process
 
+        thread_tuner.ENGINE_PIDS[:] = config.get("engine_pids", [])
         args = ServerArgs(**config["args"])
         run_scheduler_process(args, config["model_path"], config["input"], config["output"], ready,
                               config.get("tp_init"))

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from plait.runtime import thread_tuner
 from plait.runtime.thread_tuner import (
     DECODE,
     EXTEND,
@@ -14,6 +19,7 @@ from plait.runtime.thread_tuner import (
     TunerConfig,
     busy_seconds,
     candidate_counts,
+    process_cpu_seconds,
     size_bucket,
 )
 
@@ -311,3 +317,29 @@ def test_a_load_blip_does_not_probe_a_large_prefill():
     # a load that holds is probed as before
     used = run(tuner, clock, fixed({1: 2.0, 2: 5.0}), 4, kind=EXTEND, tokens=2048, load=1)
     assert used[0] == 2 and 1 in used[1:]
+
+
+def test_process_cpu_seconds_reads_proc_pid_stat():
+    line = "4242 (python -m a) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 9 0 1 2 3"
+    assert process_cpu_seconds(line, 100) == pytest.approx(3.0)  # (250 + 50) ticks
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_the_engines_own_processes_are_not_host_load(monkeypatch):
+    """A busy process listed in ENGINE_PIDS (the frontend, the detokenizer) counts as this
+    engine's own CPU, not as a competitor's."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        readings = {}
+        for engine_pids in ([], [busy.pid]):
+            monkeypatch.setattr(thread_tuner, "ENGINE_PIDS", engine_pids)
+            load = HostLoad(halflife_s=0.2)
+            load.level(2)
+            time.sleep(1.0)
+            load.level(2)
+            readings[len(engine_pids)] = load.others
+        assert readings[0] > 0.5  # the busy loop: about one core
+        assert readings[1] < readings[0] - 0.5
+    finally:
+        busy.kill()
+        busy.wait()
