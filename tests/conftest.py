@@ -65,3 +65,16 @@ def checkpoint():
 @pytest.fixture(scope="session")
 def tiny_llama(checkpoint):
     return checkpoint("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def fused_ops():
+    """plait's fused CPU operators (fused_cpu.cpp), built or loaded once; skipped without AVX2."""
+    import torch
+
+    from plait.kernels import fused_ops as fo
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the fused operators need AVX2")
+    assert fo.start_fused_ops(block=True), "fused_cpu.cpp failed to build"
+    return fo.fused_ops()
