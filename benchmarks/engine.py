@@ -23,7 +23,7 @@ from benchmarks import workloads as wl
 RESULTS = Path(__file__).parent / "results"
 
 
-def build_cpu_kernels(quantization: bool = False) -> None:
+def build_cpu_kernels() -> None:
     """Build (or load) plait's CPU kernels here, before any engine starts: a scheduler loads
     each one in a background thread and runs torch's operators until it is ready, so an
     engine started while one compiles (a minute the first time) would be timed beside the
@@ -33,14 +33,12 @@ def build_cpu_kernels(quantization: bool = False) -> None:
     from plait.kernels.cpu_attention import start_decode_kernel
     from plait.kernels.cpu_extend import start_extend_kernel
     from plait.kernels.fused_ops import start_fused_ops
+    from plait.kernels.woq import start_linear_kernels
 
     start_decode_kernel(block=True)
     start_extend_kernel(block=True)
     start_fused_ops(block=True)
-    if quantization:
-        from plait.kernels.woq import load_kernels
-
-        load_kernels()
+    start_linear_kernels(block=True)  # fp32 and the quantized linears alike
 
 
 class PlaitEngine:

@@ -202,7 +202,7 @@ def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = 
 
     engines: list = []
     if "plait" in which:
-        be.build_cpu_kernels(quantization=bool(quantizations))
+        be.build_cpu_kernels()
         for q in quantizations:  # weight-only quantized decoder linears (--quantization)
             engines.append(be.PlaitEngine(quantized_name(q), model, max_total_tokens=PLAIT_KV_TOKENS,
                                           log_level="warning", quantization=q))

@@ -163,8 +163,15 @@ class ServerArgs:
         "(rank 0 schedules; gloo on CPU, NCCL on CUDA)", flag="--tp", aliases=("--tp-size",),
     )
     disable_cpu_prepack: bool = _opt(
-        False, "on CPU, run the logits and large projections on torch's plain weights instead of "
-        "oneDNN-prepacked ones (the logits copy costs one extra output embedding of memory)",
+        False, "on CPU, run the logits and the layers' projections on torch's plain weights "
+        "instead of prepacked ones (plait's panel kernels, or oneDNN's; the logits copy costs "
+        "one extra output embedding of memory)",
+    )
+    disable_cpu_linear_kernel: bool = _opt(
+        False, "on CPU (float32), prepack the logits and large projections for oneDNN instead "
+        "of running every linear on plait's panel kernels (built in the background on first "
+        "use, under a minute once, then cached by torch; torch's matmul over the same panels "
+        "meanwhile)",
     )
     disable_cpu_attention_kernel: bool = _opt(
         False, "on CPU, run decode attention as torch's gather + fused attention instead of "

@@ -1,20 +1,35 @@
-"""Weight-only quantized linears for the CPU (`--quantization int8|int4`).
-
-Small-batch decode reads every weight once per step and does little arithmetic on it, so its
-time is the weights' bytes over the memory bandwidth: int8 weights are a quarter of fp32's
-bytes, int4 an eighth. The GEMMs run in plait's own kernels (woq_cpu.cpp, one AVX-512 and one
+"""plait's CPU linears: fp32 weights (the default fp32 CPU path) and weight-only quantized ones
+(`--quantization int8|int4`), all in one kernel source (woq_cpu.cpp: one AVX-512 and one
 AVX2 + FMA build picked at run time, built with torch's cpp_extension on first use and cached
-per source version): weights are stored in panels of 32 output features and dequantized in
-registers (once per panel and block of rows), the activations stay fp32. torch's own weight-only ops (`torch._weight_int8pack_mm`,
-`aten._weight_int4pack_mm_for_cpu`) were measured here first: correct but 6-20x slower than
-the fp32 GEMM on this AVX2 CPU, so unusable; fbgemm's dynamic int8 linear quantizes the
-activations too (1-2% error per GEMM), which is not weight-only.
+per source version).
+
+Weights are stored in panels of 32 output features, [P, K, 32] (input-major within a panel),
+so that the 32 features of one input are one vector load; the GEMM is a register-tiled outer
+product over them (woq_cpu.cpp). Small-batch decode reads every weight once per step and does
+little arithmetic on it, so its time is the weights' bytes over the memory bandwidth: the
+kernels prefetch the weight stream ahead of use. Measured on SmolLM2-135M's shapes (30 layers'
+qkv, o, gate_up, down and the logits GEMM, weights from memory; /tmp-style A/B in one process,
+2-core AVX-512 EPYC) against oneDNN's prepacked fp32 linear that plait used before: batch 1
+1.3-1.5x, 8 1.9x, 16 1.6x, 32 1.4x, 64 1.25x, 128 1.1x, 256-512 1.03-1.06x faster
+(`python -m benchmarks.linear`).
+
+Quantized: int8 weights are a quarter of fp32's bytes, int4 an eighth; dequantized in
+registers (once per panel and block of rows), the activations stay fp32. torch's own
+weight-only ops (`torch._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`) were
+measured here first: correct but 6-20x slower than the fp32 GEMM on this AVX2 CPU, so
+unusable; fbgemm's dynamic int8 linear quantizes the activations too (1-2% error per GEMM),
+which is not weight-only.
 
 Formats (per output row n, per group g of 32 inputs for int4):
+  fp32: W[n, k]
   int8: W[n, k] = q[n, k] * scale[n]              q int8 in [-127, 127], absmax scaling
   int4: W[n, k] = q[n, k] * scale[n, g] + min[n, g]   q in [0, 15] (GGUF Q4_1's form)
 Every batch size runs in the kernels (prefill chunks too: a row block reads a dequantized
 panel from a per-thread scratch).
+
+The fp32 linears (PanelLinear) serve from the first forward: until the kernels are built or
+loaded (start_linear_kernels, a background thread; about a minute the first time, then a
+load from torch's cache) they run as torch's batched matmul over the panels.
 """
 
 from __future__ import annotations
@@ -25,6 +40,8 @@ from types import ModuleType
 
 import torch
 from torch import nn
+
+from plait.kernels.cpp_build import BackgroundBuild
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +100,19 @@ def _load(isa: str) -> ModuleType:
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = -t.shape[0] % multiple
     return torch.cat((t, t.new_zeros(pad, *t.shape[1:]))) if pad else t
+
+
+# ----------------------------------------------------------------------------- fp32
+def to_panels_fp32(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float -> the kernels' layout [P, K, 32], the features zero-padded to P * 32."""
+    k = weight.shape[1]
+    w = _pad_rows(weight.detach().float(), PANEL)
+    return w.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def from_panels_fp32(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of to_panels_fp32: [N, K]."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
 
 
 # ----------------------------------------------------------------------------- int8
@@ -174,19 +204,13 @@ def from_panels_int4(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Ten
 
 
 # ----------------------------------------------------------------------------- modules
-class _QuantizedLinear(nn.Module):
-    """y = x @ W.T + bias with W stored quantized (x: [..., in] float32), in the kernels'
-    panel layout; `isa` picks a kernel build (default: the best this CPU runs)."""
+class _PanelLinear(nn.Module):
+    """y = x @ W.T + bias with W in the kernels' panel layout (x: [..., in] float32)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().clone()
-        self._ops = load_kernels(isa)
-
-    @property
-    def isa(self) -> str:
-        return self._ops.isa
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32, the kernels' reference
         raise NotImplementedError
@@ -203,6 +227,39 @@ class _QuantizedLinear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers() if t is not self.bias)
+
+
+class PanelLinear(_PanelLinear):
+    """An fp32 linear on plait's kernels (the default CPU path for float32 models); torch's
+    batched matmul over the same panels until start_linear_kernels' build is ready."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight, bias)
+        self.register_buffer("panels", to_panels_fp32(weight), persistent=False)  # [P, K, 32]
+
+    def dequantized(self) -> torch.Tensor:
+        return from_panels_fp32(self.panels, self.out_features)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        ops = _linear_ops
+        if ops is not None:
+            return ops.fp32_linear(x, self.panels, self.out_features)
+        out = torch.matmul(x, self.panels)  # [P, M, 32]
+        out = out.transpose(0, 1).reshape(x.shape[0], self.panels.shape[0] * PANEL)
+        return out[:, : self.out_features].contiguous()
+
+
+class _QuantizedLinear(_PanelLinear):
+    """A weight-only quantized linear; `isa` picks a kernel build (default: the best this CPU
+    runs), loaded (or built) here: there is no torch fallback for these formats."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None) -> None:
+        super().__init__(weight, bias)
+        self._ops = load_kernels(isa)
+
+    @property
+    def isa(self) -> str:
+        return self._ops.isa
 
 
 class Int8Linear(_QuantizedLinear):
@@ -237,8 +294,8 @@ class Int4Linear(_QuantizedLinear):
         return self._ops.int4_linear(x, self.qweight, self.scale, self.mins, self.out_features)
 
 
-def quantize_linears(model: nn.Module, linear_cls: type[_QuantizedLinear]) -> int:
-    """Replace every nn.Linear under `model` by `linear_cls` (its fp32 weight is dropped).
+def quantize_linears(model: nn.Module, linear_cls: type[_PanelLinear]) -> int:
+    """Replace every nn.Linear under `model` by `linear_cls` (its plain weight is dropped).
     Returns how many were replaced."""
     replaced = 0
     with torch.inference_mode():
@@ -248,3 +305,25 @@ def quantize_linears(model: nn.Module, linear_cls: type[_QuantizedLinear]) -> in
                     setattr(parent, name, linear_cls(child.weight, child.bias))
                     replaced += 1
     return replaced
+
+
+# ----------------------------------------------------------------------------- background load
+_linear_ops: ModuleType | None = None  # the kernels PanelLinear runs on, once loaded
+
+
+def _set_linear_ops(module: ModuleType) -> None:
+    global _linear_ops
+    _linear_ops = module
+
+
+_build = BackgroundBuild("the CPU linear kernels", load_kernels, _set_linear_ops)
+
+
+def start_linear_kernels(block: bool = False) -> bool:
+    """Build or load the kernels for PanelLinear, in a background thread unless `block`.
+    True when they run now."""
+    if not available_isas():
+        return False
+    if _linear_ops is None:
+        _build.start(block)
+    return _linear_ops is not None

@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -32,6 +33,7 @@ namespace {
 constexpr int64_t kPanel = 32;  // output features per panel
 constexpr int64_t kGroup = 32;  // int4 inputs per scale/min pair
 constexpr int64_t kRowBlock = 64;  // activation rows per block: x block <= 384 KB at K = 1536
+constexpr int64_t kPrefetchFloats = 4096;  // 16 KB ahead in a single tile's stream
 
 #if defined(__AVX512F__)
 constexpr const char* kIsa = "avx512";
@@ -152,16 +154,25 @@ struct Int8Weights {  // q as floats; the per-feature scale is applied at the st
   inline Group group(int64_t k0, int h) const { return {w + k0 * kPanel + h * W}; }
 };
 
-struct Fp32Weights {  // the dequantized scratch, [K, 32]
+struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 weights
   const float* w;
+  // software prefetch while reading input k: `lines` (0, 1 or 2) cache lines at pf + k * 16 * lines
+  const float* pf = nullptr;
+  int lines = 0;
   struct Group {
     const float* w;
+    const float* pf;
+    int lines;
     inline void pair(int64_t k, vf& w0, vf& w1) const {
+      if (lines > 0) _mm_prefetch((const char*)(pf + k * 16 * lines), _MM_HINT_T0);
+      if (lines > 1) _mm_prefetch((const char*)(pf + k * 32 + 16), _MM_HINT_T0);
       w0 = vload(w + k * kPanel);
       w1 = vload(w + k * kPanel + 16);
     }
   };
-  inline Group group(int64_t k0, int h) const { return {w + k0 * kPanel + h * W}; }
+  inline Group group(int64_t k0, int h) const {
+    return {w + k0 * kPanel + h * W, pf ? pf + k0 * 16 * lines : nullptr, h == 0 ? lines : 0};
+  }
 };
 
 // MR rows of x (from row m0) x vector pair h of one panel. SPLIT independent accumulator sets
@@ -243,22 +254,53 @@ void panel_rows(const float* x, int64_t K, const Weights& wt, const Dest& d, int
   }
 }
 
+// fp32 panels: every row tile reads the panel itself, the first from memory, the others from
+// L2. The weights stream from memory with software prefetches: a single tile (up to
+// kScratchRows rows) reads ahead in its own stream (the panel's 32 floats, two cache lines,
+// per input k); with more tiles, the first two each fetch half of the next panel, so the
+// memory traffic spreads over the panel's tiles instead of bursting in the first.
+void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Dest& d, int64_t r0,
+                     int64_t r1, const float* next) {
+  const int64_t tiles = (r1 - r0 + kScratchRows - 1) / kScratchRows;
+  const int64_t per = (r1 - r0 + tiles - 1) / tiles;  // even tiles
+  for (int64_t m = r0, t = 0; m < r1; m += per, t++) {
+    const int64_t rows = std::min<int64_t>(r1 - m, per);
+    Fp32Weights w = wt;
+    if (tiles == 1) {
+      w.pf = wt.w + kPrefetchFloats;
+      w.lines = 2;
+    } else if (t < 2 && next) {
+      w.pf = next + t * K * 16;
+      w.lines = 1;
+    }
+    for (int h = 0; h < kHalves; h++)
+      tile_rows<kScratchRows>(rows, x, K, K, w, h, d, m, nullptr);
+  }
+}
+
 // out[M, N] = x[M, K] @ W.T over panels; make_weights(p) gives panel p's weight source.
 template <class MakeWeights>
 void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
                 const float* col_scale, MakeWeights make_weights) {
+  if (M == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t block_rows = (M + blocks - 1) / blocks;  // even blocks: no 1-row remnant
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> scratch;  // one dequantized panel
-    if (M > kDirectRows && (int64_t)scratch.size() < K * kPanel) scratch.resize(K * kPanel);
+    if (!std::is_same_v<decltype(make_weights(0)), Fp32Weights> && M > kDirectRows &&
+        (int64_t)scratch.size() < K * kPanel)
+      scratch.resize(K * kPanel);
     for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
       const int64_t r1 = std::min(M, r0 + block_rows);
       for (int64_t p = p0; p < p1; p++) {
         const Dest d{out + p * kPanel, N, std::min(kPanel, N - p * kPanel),
                      col_scale ? col_scale + p * kPanel : nullptr};
-        panel_rows(x, K, make_weights(p), d, r0, r1, scratch.data());
+        if constexpr (std::is_same_v<decltype(make_weights(p)), Fp32Weights>)
+          panel_rows_fp32(x, K, make_weights(p), d, r0, r1,
+                          p + 1 < panels ? make_weights(p + 1).w : nullptr);
+        else
+          panel_rows(x, K, make_weights(p), d, r0, r1, scratch.data());
       }
     }
   });
@@ -312,7 +354,21 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   return out;
 }
 
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, int64_t N) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kPanel && w.scalar_type() == torch::kFloat &&
+              w.is_contiguous(), "w must be contiguous float32 panels [P, K, 32]");
+  const int64_t P = w.size(0), K = w.size(1), M = x.size(0);
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
+  check_x(x, K);
+  auto out = torch::empty({M, N}, x.options());
+  const float* wp = w.data_ptr<float>();
+  panel_gemm(x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), nullptr,
+             [&](int64_t p) { return Fp32Weights{wp + p * K * kPanel}; });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fp32_linear", &fp32_linear, "y = x @ W.T, W in 32-feature panels [P, K, 32]");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale[:, None]).T, q in 32-feature panels");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min, group 32).T, 32-feature panels");
   m.attr("isa") = kIsa;

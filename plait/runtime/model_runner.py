@@ -21,7 +21,12 @@ from plait.kernels.base import (
 from plait.kernels.cpu_attention import start_decode_kernel
 from plait.kernels.cpu_extend import start_extend_kernel
 from plait.kernels.fused_ops import start_fused_ops
-from plait.kernels.woq import quantize_linears
+from plait.kernels.woq import (
+    PanelLinear,
+    available_isas,
+    quantize_linears,
+    start_linear_kernels,
+)
 from plait.models.config import ModelConfig
 from plait.models.weights import load_model, resolve_dtype
 from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
@@ -98,12 +103,7 @@ class ModelRunner:
         if args.quantization != "none":
             self._quantize(args)
         if self.device.type == "cpu" and not args.disable_cpu_prepack:
-            # a copy: tied embeddings still need the plain weight for the input lookup
-            if getattr(self.model, "packed_lm_head", None) is None:
-                self.model.packed_lm_head = pack_linear(self.model.lm_head_weight)
-            pack_layer_linears(self.model.model)  # the decoder layers (not lm_head)
-            if self.sharding:
-                pack_row_parallel(self.model.model)
+            self._prepack_linears(args)
         self.attn_backend = attn
         if self.device.type == "cpu" and self.dtype == torch.float32:
             self._start_cpu_kernels(args, attn)
@@ -138,6 +138,30 @@ class ModelRunner:
         if not args.disable_cpu_fused_ops:
             self.model.use_fused_cpu_ops = True
             start_fused_ops()
+
+    def _prepack_linears(self, args: ServerArgs) -> None:
+        """The CPU linears in a prepacked layout: plait's panel kernels (fp32, an AVX2 CPU, one
+        process), else oneDNN's blocked layout for the large ones. The logits GEMM gets a copy:
+        tied embeddings still need the plain weight for the input lookup."""
+        model = self.model
+        panels = (
+            self.dtype == torch.float32
+            and not self.sharding
+            and not args.disable_cpu_linear_kernel
+            and bool(available_isas())
+        )
+        if panels:
+            with torch.inference_mode():
+                if getattr(model, "packed_lm_head", None) is None:
+                    model.packed_lm_head = PanelLinear(model.lm_head_weight)
+                quantize_linears(model.model, PanelLinear)  # those not quantized already
+            start_linear_kernels()
+            return
+        if getattr(model, "packed_lm_head", None) is None:
+            model.packed_lm_head = pack_linear(model.lm_head_weight)
+        pack_layer_linears(model.model)  # the decoder layers (not lm_head)
+        if self.sharding:
+            pack_row_parallel(model.model)
 
     def _quantize(self, args: ServerArgs) -> None:
         """Weight-only quantized decoder-layer linears (and the logits GEMM if asked): the

@@ -34,27 +34,41 @@ def test_packing_is_fp32_cpu_only():
 
 
 @pytest.mark.model
-def test_runner_uses_packed_logits_unless_disabled(tiny_llama, monkeypatch):
+def test_runner_prepacks_linears_unless_disabled(tiny_llama, monkeypatch):
+    """Default: every linear and the logits copy on plait's panel kernels (fp32, AVX2);
+    --disable-cpu-linear-kernel: oneDNN's prepacked layout for the large ones;
+    --disable-cpu-prepack: torch's plain weights. The logits agree across all three."""
+    from plait.kernels import woq
     from plait.runtime import cpu_tuning
 
     # tiny-llama's projections (at most 768 x 128) are under the size that pays: lower it
     monkeypatch.setattr(cpu_tuning, "MIN_PACKED_LINEAR", 10_000)
-    on = ModelRunner(ServerArgs(model_path=tiny_llama, max_total_tokens=256), tiny_llama)
-    off = ModelRunner(
-        ServerArgs(model_path=tiny_llama, max_total_tokens=256, disable_cpu_prepack=True),
-        tiny_llama,
-    )
-    assert on.model.packed_lm_head is not None
+
+    def runner(**kw):
+        return ModelRunner(ServerArgs(model_path=tiny_llama, max_total_tokens=256, **kw),
+                           tiny_llama)
+
+    onednn, off = runner(disable_cpu_linear_kernel=True), runner(disable_cpu_prepack=True)
+    assert isinstance(onednn.model.packed_lm_head, PackedLinear)
     assert getattr(off.model, "packed_lm_head", None) is None
     # the large projections are prepacked too (lm_head is not: it has its own copy)
-    packed = [n for n, m in on.model.named_modules() if isinstance(m, PackedLinear)]
+    packed = [n for n, m in onednn.model.named_modules() if isinstance(m, PackedLinear)]
     layers = [n for n in packed if n != "packed_lm_head"]
     assert layers and all(".self_attn." in n or ".mlp." in n for n in layers)
-    assert not any(isinstance(m, PackedLinear) for m in off.model.modules())
-    hidden = torch.randn(5, on.config.hidden_size)
-    torch.testing.assert_close(
-        on.model.compute_logits(hidden), off.model.compute_logits(hidden), atol=1e-4, rtol=1e-4
-    )
+    assert not any(isinstance(m, (PackedLinear, woq.PanelLinear)) for m in off.model.modules())
+    hidden = torch.randn(5, off.config.hidden_size)
+    expected = off.model.compute_logits(hidden)
+    torch.testing.assert_close(onednn.model.compute_logits(hidden), expected, atol=1e-4,
+                               rtol=1e-4)
+    if not woq.available_isas():
+        return
+    panels = runner()
+    assert isinstance(panels.model.packed_lm_head, woq.PanelLinear)
+    assert not any(type(m) is torch.nn.Linear for m in panels.model.model.modules())
+    assert any(isinstance(m, woq.PanelLinear) for m in panels.model.model.layers[0].modules())
+    woq.start_linear_kernels(block=True)
+    torch.testing.assert_close(panels.model.compute_logits(hidden), expected, atol=1e-4,
+                               rtol=1e-4)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")

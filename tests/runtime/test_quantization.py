@@ -22,7 +22,7 @@ def test_quantized_linear_equals_dequantized_reference(cls, shape):
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
     m = cls(weight, bias)
-    for rows in (1, 2, 3, 5, 9, 13, 33, 131):  # register tiles, their tails, row blocks of 64
+    for rows in (0, 1, 2, 3, 5, 9, 13, 33, 131):  # none, register tiles, tails, blocks of 64
         x = torch.randn(rows, shape[1], generator=gen)
         torch.testing.assert_close(m(x), _reference(m, x), atol=1e-4, rtol=1e-4)
     x = torch.randn(2, 3, shape[1], generator=gen)  # leading dims are kept

@@ -1,0 +1,83 @@
+"""plait's fp32 CPU linear (woq.PanelLinear, the default for float32 models on an AVX2 CPU):
+the kernels against torch's linear on the same weight, every build this CPU runs, the torch
+fallback that serves until the kernels are loaded, and the panel layout's round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.kernels import woq
+
+pytestmark = pytest.mark.skipif(not woq.available_isas(), reason="the kernels need AVX2 + FMA")
+
+# row counts: one tile, its tails, several tiles of a block (even split), blocks of 64
+ROWS = (0, 1, 2, 3, 5, 9, 12, 13, 25, 32, 33, 64, 65, 131, 200)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert woq.start_linear_kernels(block=True)
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (13, 64), (7, 96), (200, 1536)])
+def test_panel_linear_equals_torch_linear(shape):
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
+    m = woq.PanelLinear(weight, bias)
+    for rows in ROWS:
+        x = torch.randn(rows, shape[1], generator=gen)
+        torch.testing.assert_close(m(x), torch.nn.functional.linear(x, weight, bias),
+                                   atol=1e-4, rtol=1e-4)
+    x = torch.randn(2, 3, shape[1], generator=gen)  # leading dims are kept
+    torch.testing.assert_close(m(x), torch.nn.functional.linear(x, weight, bias),
+                               atol=1e-4, rtol=1e-4)
+    x = torch.randn(6, 2 * shape[1], generator=gen)[:, ::2]  # a strided view
+    torch.testing.assert_close(m(x), torch.nn.functional.linear(x, weight, bias),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", woq.available_isas())
+def test_every_isa_build_equals_torch_linear(isa):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 96, generator=gen)
+    panels = woq.to_panels_fp32(weight)
+    ops = woq.load_kernels(isa)
+    for rows in (1, 4, 7, 12, 13, 40, 70):
+        x = torch.randn(rows, 96, generator=gen)
+        torch.testing.assert_close(ops.fp32_linear(x, panels, 200), x @ weight.t(),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_torch_fallback_before_the_kernels_load(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(70, 64, generator=gen), torch.randn(70, generator=gen)
+    m = woq.PanelLinear(weight, bias)
+    x = torch.randn(9, 64, generator=gen)
+    with_kernels = m(x)
+    monkeypatch.setattr(woq, "_linear_ops", None)
+    assert m(x[:0]).shape == (0, 70)
+    fallback = m(x)
+    assert fallback.shape == (9, 70) and fallback.is_contiguous()
+    torch.testing.assert_close(fallback, torch.nn.functional.linear(x, weight, bias),
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fallback, with_kernels, atol=1e-4, rtol=1e-4)
+
+
+def test_panel_layout_round_trip_and_padding():
+    weight = torch.randn(45, 8)
+    panels = woq.to_panels_fp32(weight)
+    assert panels.shape == (2, 8, 32)
+    assert panels[0, 3, 5] == weight[5, 3] and panels[1, 2, 12] == weight[44, 2]
+    assert bool((panels[1, :, 13:] == 0).all())  # the padding features
+    torch.testing.assert_close(woq.from_panels_fp32(panels, 45), weight, atol=0, rtol=0)
+    assert woq.PanelLinear(weight).weight_bytes == panels.numel() * 4
+
+
+def test_kernel_rejects_mismatched_shapes():
+    ops = woq.load_kernels()
+    panels = woq.to_panels_fp32(torch.randn(40, 16))
+    with pytest.raises(RuntimeError, match="features"):
+        ops.fp32_linear(torch.randn(3, 17), panels, 40)
+    with pytest.raises(RuntimeError, match="panels"):
+        ops.fp32_linear(torch.randn(3, 16), panels, 70)
