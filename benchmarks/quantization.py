@@ -1,6 +1,7 @@
-"""Decode step time of plait's weight-only quantized linears against fp32, A/B in one run.
+"""Decode step time of plait's linears: fp32 and weight-only quantized, A/B in one run.
 
     python -m benchmarks.quantization [--model smollm2] [--methods none,int8,int4]
+    python -m benchmarks.quantization --gemms --methods none,onednn --batches 1,8,16,32,64,128,256
         [--lm-head] [--batches 1,8,32] [--context 128] [--steps 16] [--repeats 3]
 
     python -m benchmarks.quantization --gemms    # the linears of one decode step only
@@ -15,6 +16,9 @@ InProcess: no IPC), the batch decoding, and times `steps` decode steps of each i
 --threads 1 the clock is this thread's CPU time (time.thread_time), which a shared machine's
 other processes do not inflate: the A/B to use on a busy machine (memory and cache contention
 still reach it). --gemms, --isa avx2 runs the int8/int4 linears on the AVX2 build.
+
+Methods: none (fp32 on plait's panel kernels, the default), onednn (fp32 on oneDNN's prepacked
+weights, --disable-cpu-linear-kernel), int8, int4.
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ from plait.models.config import ModelConfig
 from plait.models.resolve import resolve_model_path
 
 
+def method_args(method: str, lm_head: bool) -> dict:
+    if method == "none":
+        return {}
+    if method == "onednn":
+        return {"disable_cpu_linear_kernel": True}
+    return {"quantization": method, "quantize_lm_head": lm_head}
+
+
 def gemm_step(model: str, methods: list[str], batches: list[int], repeats: int,
               lm_head: bool, isa: str | None, clock) -> None:
     """Time of the weight GEMMs of one decode step (every layer's qkv, o, gate_up and down,
@@ -38,15 +50,17 @@ def gemm_step(model: str, methods: list[str], batches: list[int], repeats: int,
     prepacked fp32 path unless `lm_head`."""
     import torch
 
-    from plait.kernels.woq import Int4Linear, Int8Linear
+    from plait.kernels.woq import Int4Linear, Int8Linear, PanelLinear, start_linear_kernels
     from plait.runtime.cpu_tuning import pack_linear
+
+    start_linear_kernels(block=True)
 
     cfg = ModelConfig.from_dir(str(resolve_model_path(model)))
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     q = cfg.num_attention_heads * cfg.head_dim
     shapes = [(q + 2 * kv, h), (h, q), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
     kw = {"isa": isa} if isa else {}
-    build = {"none": pack_linear, "int8": lambda w: Int8Linear(w, **kw),
+    build = {"none": PanelLinear, "onednn": pack_linear, "int8": lambda w: Int8Linear(w, **kw),
              "int4": lambda w: Int4Linear(w, **kw)}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -58,7 +72,8 @@ def gemm_step(model: str, methods: list[str], batches: list[int], repeats: int,
                     mods[m].append(build[m](w))
         logits_w = torch.randn(cfg.vocab_size, h, generator=gen) * 0.02
         for m in methods:
-            mods[m].append(build[m if lm_head else "none"](logits_w))
+            fp32 = m if m in ("none", "onednn") else "none"
+            mods[m].append(build[m if lm_head else fp32](logits_w))
         for b in batches:
             xs = {k: torch.randn(b, k, generator=gen) for k in {k for _, k in shapes}}
             per: dict[str, list[float]] = {m: [] for m in methods}
@@ -81,17 +96,17 @@ def in_process_steps(model: str, methods: list[str], batches: list[int], context
     """Decode steps of one in-process Scheduler per method, `steps` at a time, alternating;
     on `threads` fixed threads (0: the runner's adaptive thread count)."""
     from benchmarks.profile_steps import InProcess, _prompts
-    from plait.kernels.fused_ops import start_fused_ops
+    from benchmarks.engine import build_cpu_kernels
 
     path = str(resolve_model_path(model))
     runs = {}
     for m in methods:
-        kw = {} if m == "none" else {"quantization": m, "quantize_lm_head": lm_head}
+        kw = method_args(m, lm_head)
         if threads:
             kw["num_threads"] = threads
         runs[m] = InProcess(path, max_total_tokens=max(batches) * (context + 64) * 2 + 1024,
                             **kw)
-    start_fused_ops(block=True)  # the kernels built in the background: in place for all
+    build_cpu_kernels()  # the kernels built in the background: in place for all
     new_tokens = (repeats + 1) * steps + 2  # still running when the timing ends
     for b in batches:
         for m, run in runs.items():
@@ -146,9 +161,12 @@ def main(argv=None) -> None:
         return in_process_steps(args.model, methods, batches, args.context, args.steps,
                                 args.repeats, args.lm_head, args.threads, clock)
     vocab = ModelConfig.from_dir(str(resolve_model_path(args.model))).vocab_size
+    from benchmarks.engine import build_cpu_kernels
+
+    build_cpu_kernels()  # before the engines: each loads them in the background
     engines = {}
     for m in methods:
-        kw = {} if m == "none" else {"quantization": m, "quantize_lm_head": args.lm_head}
+        kw = method_args(m, args.lm_head)
         engines[m] = plait.Engine(args.model, log_level="warning", max_total_tokens=16384, **kw)
     try:
         for b in batches:

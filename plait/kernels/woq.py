@@ -8,10 +8,10 @@ so that the 32 features of one input are one vector load; the GEMM is a register
 product over them (woq_cpu.cpp). Small-batch decode reads every weight once per step and does
 little arithmetic on it, so its time is the weights' bytes over the memory bandwidth: the
 kernels prefetch the weight stream ahead of use. Measured on SmolLM2-135M's shapes (30 layers'
-qkv, o, gate_up, down and the logits GEMM, weights from memory; /tmp-style A/B in one process,
-2-core AVX-512 EPYC) against oneDNN's prepacked fp32 linear that plait used before: batch 1
-1.3-1.5x, 8 1.9x, 16 1.6x, 32 1.4x, 64 1.25x, 128 1.1x, 256-512 1.03-1.06x faster
-(`python -m benchmarks.linear`).
+qkv, o, gate_up, down and the logits GEMM, each layer's weights its own so they come from
+memory; A/B in one process on the 2-core AVX-512 EPYC) against oneDNN's prepacked fp32 linear
+that plait used before: batch 1 1.3-1.5x, 8 1.9x, 16 1.6x, 32 1.4x, 64 1.25x, 128 1.1x,
+256-512 1.03-1.06x faster (`python -m benchmarks.quantization --gemms --methods none,onednn`).
 
 Quantized: int8 weights are a quarter of fp32's bytes, int4 an eighth; dequantized in
 registers (once per panel and block of rows), the activations stay fp32. torch's own

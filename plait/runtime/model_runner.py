@@ -39,6 +39,9 @@ from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_POOL_TOKENS = 1 << 19
+# CPU: bytes of the KV pool's never-used slots kept faulted in ahead of the allocator
+# (radix_cache/kv_pool.py Prefaulter): a few prefills' worth
+KV_PREFAULT_BYTES = 512 << 20
 
 
 @dataclass
@@ -110,7 +113,7 @@ class ModelRunner:
         pool_tokens = self._pool_size()
         self.kv_pool = KVPool(
             pool_tokens, cfg.num_hidden_layers, local.num_key_value_heads, cfg.head_dim,
-            self.dtype, self.device,
+            self.dtype, self.device, prefault_bytes=KV_PREFAULT_BYTES,
         )
         self.req_to_token_pool = ReqToTokenPool(
             2 * args.max_running_requests + 8, self.context_length + 8, self.device
