@@ -71,7 +71,8 @@ def peer_env(venv: Path = DEFAULT_VENV, kv_gib: float = 4, cores: str | None = N
     env["LD_PRELOAD"] = ":".join(preload)
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores or f"0-{max(0, (ncpu or 1) - 1)}")
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    # vLLM parses it as an int ("2.0" fails its config validation)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_gib)) if float(kv_gib).is_integer() else str(kv_gib)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # the worker imports benchmarks.workloads from this checkout

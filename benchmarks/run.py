@@ -199,7 +199,7 @@ def setup_peers(venv: Path) -> float | None:
 # ----------------------------------------------------------------------------- offline suites
 def plait_kv_tokens(model: str) -> int:
     """plait's KV pool for a benchmark engine: PLAIT_KV_TOKENS, or fewer where that would
-    hold more bytes than the vLLM-CPU engines get (VLLM_CPU_KVCACHE_SPACE, default 4 GiB):
+    hold more bytes than the vLLM-CPU engines get (--vllm-kv-gib, default 4 GiB):
     the same KV memory, and several engines of a run fit the machine together (SmolLM2's
     131,072 tokens were 6 GB an engine; five engines' pools and vLLM's two then ran a
     24 GiB machine out of memory)."""
@@ -213,7 +213,7 @@ def plait_kv_tokens(model: str) -> int:
     per_token = KVPool.bytes_per_token(
         cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32
     )
-    budget = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 4) * (1 << 30)
+    budget = float(os.environ.get("PLAIT_BENCH_KV_GIB") or 4) * (1 << 30)
     return max(8192, min(PLAIT_KV_TOKENS, int(budget // per_token)))
 
 
@@ -967,6 +967,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown suite {bad[0]!r} (known: all, {', '.join(SUITES)})")
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.vllm_kv_gib = args.vllm_kv_gib or (1 if args.quick else 4)
+    os.environ["PLAIT_BENCH_KV_GIB"] = str(args.vllm_kv_gib)  # plait_kv_tokens: the same bytes
     args.engine_set = set(args.engines.split(","))
     args.plait_quantization = tuple(filter(None, args.plait_quantization.split(",")))
     LOGS.mkdir(parents=True, exist_ok=True)
