@@ -5,6 +5,9 @@
   memory in again, every step. Raising the mmap and trim thresholds keeps freed memory in the
   heap for the next step (what vLLM-CPU gets from preloading tcmalloc). Measured here: a 35 MB
   gather 25 ms -> 6 ms, a 35 MB copy 18 ms -> 3.4 ms.
+* (The two oneDNN items below are the fallback: by default the fp32 linears and the logits run
+  on plait's panel kernels, plait/kernels/woq.py; these with --disable-cpu-linear-kernel and on
+  tensor-parallel ranks.)
 * The logits GEMM: [tokens, hidden] x [hidden, vocab] dominates a small model's step (100k
   vocabulary). A oneDNN copy of the weight prepacked in its blocked layout runs it 2-2.5x faster
   than torch.matmul on the plain weight (hidden 256, batch 32: 42 ms -> 15 ms). It costs a
