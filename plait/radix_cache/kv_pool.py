@@ -69,7 +69,7 @@ class Prefaulter:
             self._cv.notify()
 
     def wait(self, timeout: float = 60.0) -> bool:
-        """Until the wanted window is faulted in (tests, benchmarks)."""
+        """Until the wanted window is faulted in (or prefaulting failed); False on timeout."""
         with self._cv:
             return self._cv.wait_for(lambda: self.failed or self.done_low <= self.want_low,
                                      timeout)
@@ -132,7 +132,7 @@ class KVPool:
         self._free = torch.arange(1, size + 1, dtype=torch.int64)  # CPU free list
         self._num_free = size
         # slots 1.._fresh were never handed out: _free[:_fresh] is still arange(1, _fresh + 1)
-        # (alloc takes from the top, free pushes there)
+        # (alloc takes from the top, free pushes there); tracked for the prefaulter only
         self._fresh = size
         self.prefaulter: Prefaulter | None = None
         if prefault_bytes > 0 and self.device.type == "cpu" and num_layers > 0 and (
@@ -159,10 +159,9 @@ class KVPool:
         start = self._num_free - n
         out = self._free[start : self._num_free].clone()
         self._num_free = start
-        if start < self._fresh:
+        if self.prefaulter is not None and start < self._fresh:
             self._fresh = start
-            if self.prefaulter is not None:
-                self.prefaulter.ahead_of(start)
+            self.prefaulter.ahead_of(start)
         return out
 
     def free(self, slots: torch.Tensor) -> None:
