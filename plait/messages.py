@@ -166,6 +166,13 @@ class MessageSender:
     def send(self, msg: Any) -> None:
         self._sock.send(encode(msg))
 
+    def send_many(self, msgs: list[Any]) -> None:
+        """Several messages as one ZMQ message (a frame each): the receiver gets them all in
+        one receive. A batch of requests sent one by one reached the scheduler in parts (it
+        started prefilling the first few while the rest were still being sent)."""
+        if msgs:
+            self._sock.send_multipart([encode(m) for m in msgs])
+
     def close(self) -> None:
         self._sock.close()
 
@@ -178,20 +185,22 @@ class MessageReceiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(addr) if bind else self._sock.connect(addr)
 
-    def recv(self, timeout_ms: int | None = None) -> Any | None:
-        """One message, or None if none arrived within timeout_ms (None: wait forever)."""
+    def recv(self, timeout_ms: int | None = None) -> list[Any]:
+        """The messages of the next ZMQ message (one, or those of a send_many), or [] if none
+        arrived within timeout_ms (None: wait forever)."""
         if timeout_ms is not None and not self._sock.poll(timeout_ms):
-            return None
-        return decode(self._sock.recv())
+            return []
+        return [decode(frame) for frame in self._sock.recv_multipart()]
 
     def recv_all(self) -> list[Any]:
         """Every message already queued, without blocking."""
         out = []
         while True:
             try:
-                out.append(decode(self._sock.recv(zmq.NOBLOCK)))
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            out.extend(decode(frame) for frame in frames)
 
     def close(self) -> None:
         self._sock.close()
@@ -205,8 +214,9 @@ class AsyncMessageReceiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(addr) if bind else self._sock.connect(addr)
 
-    async def recv(self) -> Any:
-        return decode(await self._sock.recv())
+    async def recv(self) -> list[Any]:
+        """The messages of the next ZMQ message (one, or those of a send_many)."""
+        return [decode(frame) for frame in await self._sock.recv_multipart()]
 
     def close(self) -> None:
         self._sock.close()

@@ -28,9 +28,9 @@ class ZmqSchedulerIO:
     def recv(self, timeout_s: float) -> list[Any]:
         msgs = self.receiver.recv_all()
         if not msgs and timeout_s > 0:
-            first = self.receiver.recv(timeout_ms=int(timeout_s * 1000))
-            if first is not None:
-                msgs = [first] + self.receiver.recv_all()
+            msgs = self.receiver.recv(timeout_ms=int(timeout_s * 1000))
+            if msgs:
+                msgs += self.receiver.recv_all()
         return msgs
 
     def send(self, msg: Any) -> None:

@@ -142,5 +142,6 @@ def run_detokenizer_process(tokenizer_path: str, input_addr: str, output_addr: s
     finally:
         ready_conn.close()
     while True:
-        for out in detok.handle(receiver.recv()):
-            sender.send(out)
+        for msg in receiver.recv():
+            for out in detok.handle(msg):
+                sender.send(out)

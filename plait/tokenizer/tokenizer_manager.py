@@ -62,6 +62,7 @@ class TokenizerManager:
         self._control: dict[Any, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self.listeners: list = []  # callables(state) on finish, e.g. metrics
+        self._outbox: list[Any] = []  # messages to the scheduler, sent together (_send)
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -153,7 +154,7 @@ class TokenizerManager:
             state.input_token_logprobs, state.input_top_logprobs = [], []
         self.states[rid] = state
         try:
-            self.sender.send(
+            self._send(
                 TokenizedGenerateReq(
                     rid=rid, input_ids=ids, sampling_params=req.sampling_params.to_dict(),
                     return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
@@ -206,7 +207,7 @@ class TokenizerManager:
 
     def abort(self, rid: str) -> None:
         if not self.dead:
-            self.sender.send(AbortReq(rid))
+            self._send(AbortReq(rid))
 
     # ------------------------------------------------------------------ control
     async def flush_cache(self) -> FlushCacheOut:
@@ -221,30 +222,53 @@ class TokenizerManager:
         self.check_alive()
         fut = asyncio.get_running_loop().create_future()
         self._control[key] = fut
-        self.sender.send(msg)
+        self._send(msg)
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._control.pop(key, None)
 
+    def _send(self, msg: Any) -> None:
+        """Queue msg for the scheduler; the queue goes out as one ZMQ message once the
+        coroutines that are ready have run. A batch (Engine.generate with a list, a batched
+        /generate, n > 1) thus reaches the scheduler whole, and its first prefill takes every
+        prompt, not the few that had arrived when the scheduler woke up (a 32-prompt batch was
+        prefilled in three forwards of 6, 16 and 10 prompts). Order is kept: everything goes
+        through the one queue."""
+        self._outbox.append(msg)
+        if len(self._outbox) > 1:
+            return  # a flush is scheduled
+        try:
+            asyncio.get_running_loop().call_soon(self._flush_outbox)
+        except RuntimeError:  # no loop running (shutdown): send now
+            self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        msgs, self._outbox = self._outbox, []
+        if msgs and not self.dead:
+            self.sender.send_many(msgs)
+
     # ------------------------------------------------------------------ receiving
     async def _recv_loop(self) -> None:
         while True:
-            msg = await self.receiver.recv()
-            self.last_progress = time.monotonic()
-            if isinstance(msg, BatchStrOut):
-                self._on_output(msg)
-            elif isinstance(msg, RequestErrorOut):
-                state = self.states.get(msg.rid)
-                if state is not None:
-                    state.error = _scheduler_error(msg)
-                    state.event.set()
-            elif isinstance(msg, FlushCacheOut):
-                self._resolve(FlushCacheReq, msg)
-            elif isinstance(msg, StatsOut):
-                self._resolve(msg.nonce, msg)
-            else:
-                logger.error("frontend: unexpected message %s", type(msg).__name__)
+            for msg in await self.receiver.recv():
+                self._on_message(msg)
+
+    def _on_message(self, msg: Any) -> None:
+        self.last_progress = time.monotonic()
+        if isinstance(msg, BatchStrOut):
+            self._on_output(msg)
+        elif isinstance(msg, RequestErrorOut):
+            state = self.states.get(msg.rid)
+            if state is not None:
+                state.error = _scheduler_error(msg)
+                state.event.set()
+        elif isinstance(msg, FlushCacheOut):
+            self._resolve(FlushCacheReq, msg)
+        elif isinstance(msg, StatsOut):
+            self._resolve(msg.nonce, msg)
+        else:
+            logger.error("frontend: unexpected message %s", type(msg).__name__)
 
     def _resolve(self, key: Any, value: Any) -> None:
         fut = self._control.get(key)

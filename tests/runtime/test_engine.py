@@ -117,6 +117,18 @@ def test_kv_returns_to_idle(engine):
     assert info["kv_used"] == 0 and info["num_running"] == 0
 
 
+def test_a_batch_reaches_the_scheduler_whole(engine):
+    """A list of prompts goes to the scheduler as one message, so its first prefill takes every
+    prompt (sent one by one, the scheduler woke on the first few and prefilled those alone)."""
+    prompts = [[100 + 7 * i + j for j in range(16)] for i in range(24)]  # 384 tokens: one chunk
+    for _ in range(3):
+        engine.flush_cache()
+        before = engine.get_server_info()
+        engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1})
+        after = engine.get_server_info()
+        assert after["extend_forwards"] - before["extend_forwards"] == 1
+
+
 async def test_async_generate(engine):
     out = await engine.async_generate("async prompt", GREEDY)
     assert out["meta_info"]["completion_tokens"] == 8
