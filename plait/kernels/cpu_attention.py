@@ -88,6 +88,11 @@ def decode_kernel_ready() -> bool:
     return _kernel is not None
 
 
+def decode_kernel():
+    """The loaded attn_cpu.cpp module (decode_attention, merge_prefix), or None."""
+    return _kernel
+
+
 # a shared prefix shorter than this is attended with the rest (the grouping costs more)
 MIN_SHARED_PREFIX = 32
 

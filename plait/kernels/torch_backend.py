@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.kernels.base import AttentionBackend, AttentionMetadata, ForwardMode
-from plait.kernels.cpu_attention import decode_attention_cpu, plan_decode
+from plait.kernels.cpu_attention import decode_attention_cpu, decode_kernel, plan_decode
 from plait.kernels.cpu_extend import extend_attention_cpu, plan_extend
 
 if TYPE_CHECKING:
@@ -106,6 +106,39 @@ class TorchAttnBackend(AttentionBackend):
             plan_decode(meta)
         else:
             plan_extend(meta)
+
+    def layer_attention(self, kv_pool: KVPool, meta: AttentionMetadata):
+        """attend(q [T, H, D], layer_id) -> [T, H * D] for a forward whose K/V are stored
+        already: the model's lean CPU loop calls it once a layer. A decode batch without
+        shared prefixes goes straight to attn_cpu.cpp (the plan, checks and views of forward
+        are done once here, not 30 times); anything else through forward."""
+        if (
+            meta.mode is ForwardMode.DECODE
+            and self.use_cpu_kernel
+            and self.head_dim % 8 == 0
+            and kv_pool.k_buffer[0].dtype == torch.float32
+            and kv_pool.k_buffer[0].is_contiguous()
+            and kv_pool.v_buffer[0].is_contiguous()
+        ):
+            kernel = decode_kernel()
+            plan = plan_decode(meta)
+            if kernel is not None and not plan.groups:
+                kb, vb, scaling = kv_pool.k_buffer, kv_pool.v_buffer, self.scaling
+                slots, lens = plan.suffix_slots, plan.suffix_lens
+                num_kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+
+                def attend_decode(q: torch.Tensor, layer_id: int) -> torch.Tensor:
+                    qg = q.view(q.shape[0], num_kv, group, q.shape[2])
+                    out, _ = kernel.decode_attention(qg, kb[layer_id], vb[layer_id], slots, lens,
+                                                     scaling)
+                    return out.view(q.shape[0], -1)
+
+                return attend_decode
+
+        def attend(q: torch.Tensor, layer_id: int) -> torch.Tensor:
+            return self.forward(q, None, None, layer_id, kv_pool, meta).reshape(q.shape[0], -1)
+
+        return attend
 
     def shared_kv_tokens(self, meta: AttentionMetadata) -> int:
         plan = meta.cache.get("cpu_decode_plan")

@@ -319,6 +319,11 @@ def _set_linear_ops(module: ModuleType) -> None:
 _build = BackgroundBuild("the CPU linear kernels", load_kernels, _set_linear_ops)
 
 
+def linear_ops() -> ModuleType | None:
+    """The loaded kernels PanelLinear runs on (fp32_linear), or None before they load."""
+    return _linear_ops
+
+
 def start_linear_kernels(block: bool = False) -> bool:
     """Build or load the kernels for PanelLinear, in a background thread unless `block`.
     True when they run now."""

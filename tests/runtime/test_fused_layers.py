@@ -68,10 +68,13 @@ def test_fused_layers_give_torchs_logits_bit_for_bit(checkpoint, calls, name):
     from plait.kernels.cpu_attention import start_decode_kernel
     from plait.kernels.cpu_extend import start_extend_kernel
 
-    # both runs on the same attention kernels: a scheduler runs torch's attention until its
-    # background load of them ends, so run alone the first run's first forwards did
+    from plait.kernels import woq
+
+    # both runs on the same attention and linear kernels: a scheduler runs torch's operators
+    # until its background load of them ends, so run alone the first run's first forwards did
     start_decode_kernel(block=True)
     start_extend_kernel(block=True)
+    woq.start_linear_kernels(block=True)
     path = checkpoint(name)
     prompts = make_prompts(8, 8192, seed=2)  # shared prefixes: cache hits within the batch
     # a fixed thread count: the adaptive one may pick 1 thread for a forward in one run and 2
@@ -99,3 +102,43 @@ def test_fused_layers_match_transformers(tiny_llama, calls):
     assert calls["rope_store_kv"] > 0
     for i, (ids, _) in enumerate(ref):
         assert out[f"r{i}"] == ids, f"prompt {i}: tokens differ"
+
+
+@pytest.mark.parametrize("name, lean", [("tiny-llama", True), ("tiny-qwen2", False)])
+def test_lean_layer_loop_gives_the_module_paths_logits(checkpoint, ops, monkeypatch, name, lean):
+    """LlamaForCausalLM._forward_lean (the kernels called in a row, no module calls) against
+    the module path, bit for bit, over chunked extends, shared-prefix decodes (attention through
+    the backend's forward) and plain decodes (straight to attn_cpu.cpp). Not taken where a
+    linear has a bias (Qwen2's qkv)."""
+    from plait.kernels import woq
+    from plait.kernels.cpu_attention import start_decode_kernel
+    from plait.kernels.cpu_extend import start_extend_kernel
+    from plait.models.llama import LlamaForCausalLM
+
+    start_decode_kernel(block=True)
+    start_extend_kernel(block=True)
+    assert woq.start_linear_kernels(block=True)
+    ran = []
+    forward_lean = LlamaForCausalLM._forward_lean
+
+    def counted(self, *args):
+        ran.append(args[4].mode)  # meta
+        return forward_lean(self, *args)
+
+    monkeypatch.setattr(LlamaForCausalLM, "_forward_lean", counted)
+    path = checkpoint(name)
+    shared = make_prompts(8, 8192, seed=5)  # cache hits: shared prefixes in the decode batch
+    distinct = [[(97 * i + 31 * j) % 8000 + 100 for j in range(40 + i)] for i in range(5)]
+    args = dict(max_total_tokens=4096, chunked_prefill_size=64, num_threads=2)
+    for prompts in (shared, distinct):
+        lean_out, lean_logits = run(path, prompts, 10, **args)
+        modes = set(ran)
+        monkeypatch.setattr(LlamaForCausalLM, "use_lean_loop", False)
+        ran.clear()
+        module_out, module_logits = run(path, prompts, 10, **args)
+        monkeypatch.setattr(LlamaForCausalLM, "use_lean_loop", True)
+        assert not ran, "use_lean_loop = False still ran the lean loop"
+        assert len(modes) == (2 if lean else 0), modes  # extend and decode forwards
+        assert lean_out == module_out
+        for step, (a, b) in enumerate(zip(lean_logits, module_logits, strict=True)):
+            assert torch.equal(a, b), f"forward {step}: logits differ by {(a - b).abs().max():.3g}"
