@@ -228,6 +228,24 @@ def test_a_new_key_starts_from_its_load_level():
     assert tuner.choose(EXTEND, 2048, load=0) == 2
 
 
+def test_a_new_key_under_a_settled_load_starts_on_the_free_cores():
+    """No key decided at the load level yet: a rare large prefill beside a competitor that has
+    been running for a while starts on the cores left free, not on the quiet host's count."""
+    clock = FakeClock()
+    tuner = ThreadTuner(6, clock)
+    run(tuner, clock, fixed({1: 0.06, 2: 0.03, 4: 0.018, 6: 0.015}), 60, load=0)
+    assert tuner.choose(EXTEND, 2048, load=0) == 6  # quiet: the nearest key's count
+    clock.now += 2.0
+    tuner.choose(DECODE, 8, load=3)  # the load appears ...
+    clock.now += 0.1
+    assert tuner.choose(EXTEND, 4096, load=3) == 6  # ... not settled yet: the nearest key
+    clock.now += 2.0
+    assert tuner.choose(EXTEND, 1024, load=3) == 2  # held: 3 cores free, the candidate <= 3
+    assert tuner.choose(DECODE, 64, load=5) == 6  # a new level: not settled
+    clock.now += 2.0
+    assert tuner.choose(DECODE, 128, load=5) == 1
+
+
 def test_a_slow_forward_is_evidence_enough_on_its_own():
     clock = FakeClock()
     tuner = ThreadTuner(2, clock)  # one large prefill per request burst: 18 s on 2, 10 s on 1
