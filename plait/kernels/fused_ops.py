@@ -121,6 +121,12 @@ class FusedOps:
         """[T, 2 I] -> [T, I] (silu_mul_reference)."""
         return self.module.silu_mul(gate_up, self.silu_lanes)
 
+    def max_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits.amax(-1), logits.argmax(-1)) of [B, V] float32 rows (unit column stride),
+        with torch's NaN and first-maximum rules: what the sampler needs each step."""
+        mx, idx = self.module.max_argmax(logits)
+        return mx, idx
+
 
 def _torch_lanes(module: ModuleType) -> tuple[int, int, bool]:
     """The vector widths (8 or 16) of torch's sum and SiLU kernels on this machine.

@@ -145,3 +145,23 @@ def test_rope_store_kv_rejects_slots_outside_the_pool(ops):
 def test_bad_inputs_are_refused(ops, call):
     with pytest.raises(RuntimeError):
         call(ops)
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 100, 1024, 49152])
+def test_max_argmax_is_amax_and_argmax(ops, n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=gen)
+    x[1] = 0.5  # all tied: the first index
+    x[2] = float("-inf")  # nothing allowed: -inf and index 0
+    x[3, n // 2] = float("inf")
+    x[4, n - 1] = float("nan")  # NaN wins, at its first index, as torch
+    x[5, n // 3] = float("nan")
+    x[5, n - 1] = float("nan")
+    x[6, : n // 2] = float("-inf")  # a bitmask's masked prefix
+    x[7, n - 1] = x[7].max() + 1  # the maximum in the tail
+    x[8] = torch.round(x[8])  # ties among many equal values
+    for t in (x, x[:, : max(1, n - 3)], torch.empty(0, n)):  # odd widths (strided rows), none
+        mx, idx = ops.max_argmax(t)
+        assert idx.dtype == torch.int64 and mx.dtype == torch.float32
+        assert torch.equal(idx, t.argmax(dim=-1)), (idx, t.argmax(dim=-1))
+        assert torch.allclose(mx, t.amax(dim=-1), rtol=0, atol=0, equal_nan=True)
