@@ -272,7 +272,8 @@ def run_scheduler(batch: int, args, variants: dict) -> None:
     new_steps = (2 + 3 * args.repeats) * args.steps + 8
     tokens = batch * (args.prompt + new_steps + 8) + 1024
     io = InProcessIO()
-    server = ServerArgs(model_path=path, max_total_tokens=tokens, log_level="warning")
+    server = ServerArgs(model_path=path, max_total_tokens=tokens, log_level="warning",
+                        speculative_ngram=0)  # decode steps are timed
     sched = Scheduler(server, path, io, load_tokenizer(path))
     rng = random.Random(batch)
     vocab = sched.runner.config.vocab_size

@@ -65,8 +65,9 @@ def main(argv=None) -> int:
     vocab = ModelConfig.from_dir(str(resolve_model_path(args.model))).vocab_size
     tokens = max(batches) * (args.context + args.steps + 8) + 1024
     build_cpu_kernels()
+    # decode steps are timed: no speculation unless a variant asks for it
     engines = {n: plait.Engine(args.model, log_level="warning", max_total_tokens=tokens,
-                               **parse_variant(n)) for n in names}
+                               **{"speculative_ngram": 0, **parse_variant(n)}) for n in names}
     rows = []
     try:
         end = time.time() + args.warmup_s

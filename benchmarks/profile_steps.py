@@ -47,6 +47,8 @@ class InProcess:
         from plait.models.tokenizer import load_tokenizer
         from plait.runtime.scheduler_process import InProcessIO
 
+        # steps are timed: no speculation (drafts would stand in for them) unless asked for
+        server_args.setdefault("speculative_ngram", 0)
         args = ServerArgs(model_path=model, log_level="warning", **server_args)
         self.io = InProcessIO()
         self.sched = Scheduler(args, model, self.io, load_tokenizer(model))
@@ -209,7 +211,7 @@ def profile_engine(model: str, quick: bool) -> dict:
     import plait
 
     n, plen, out = (8, 32, 8) if quick else (32, 128, 64)
-    engine = plait.Engine(model, max_total_tokens=65536, log_level="warning")
+    engine = plait.Engine(model, max_total_tokens=65536, log_level="warning", speculative_ngram=0)
     try:
         vocab = engine.model_info["vocab_size"]
         sp = {"max_new_tokens": out, "temperature": 0.0, "ignore_eos": True}

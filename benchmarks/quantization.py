@@ -167,7 +167,8 @@ def main(argv=None) -> None:
     engines = {}
     for m in methods:
         kw = method_args(m, args.lm_head)
-        engines[m] = plait.Engine(args.model, log_level="warning", max_total_tokens=16384, **kw)
+        engines[m] = plait.Engine(args.model, log_level="warning", max_total_tokens=16384,
+                                  speculative_ngram=0, **kw)  # decode steps are timed
     try:
         for b in batches:
             rng = random.Random(b)

@@ -146,7 +146,8 @@ def plait_step(model: str, batch: int, context: int, steps: int, repeats: int) -
         return time.perf_counter() - t
 
     per = []
-    with plait.Engine(model, log_level="warning",
+    # speculative_ngram=0: a decode step is timed (drafts would stand in for steps)
+    with plait.Engine(model, log_level="warning", speculative_ngram=0,
                       max_total_tokens=max(8192, 2 * batch * (context + steps + 2))) as eng:
         # warm-up, long enough for the kernels the scheduler loads in the background (built
         # beforehand by warm_kernels, so this is a load from torch's extension cache)

@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--workload", nargs="+", default=["extract", "decode"])
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--speculative-ngram", type=int, default=4)
+    ap.add_argument("--max-rows", type=int, default=None,
+                    help="--speculative-ngram-max-rows (default: ServerArgs')")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=0, help="requests at a time (0: all at once)")
     ap.add_argument("--max-total-tokens", type=int, default=1 << 16)
@@ -77,8 +79,9 @@ def main() -> None:
     made = {}
     for k in (0, opts.speculative_ngram):
         io = InProcessIO()
+        rows = {} if opts.max_rows is None else {"speculative_ngram_max_rows": opts.max_rows}
         args = ServerArgs(
-            model_path=path, speculative_ngram=k, max_total_tokens=opts.max_total_tokens
+            model_path=path, speculative_ngram=k, max_total_tokens=opts.max_total_tokens, **rows
         )
         made[k] = (Scheduler(args, path, io, tok), io)
     loads = {

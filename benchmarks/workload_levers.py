@@ -49,6 +49,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="judge,tree,prefill")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup-s", type=float, default=8.0)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="result file (default: results/workload-levers-<model>.json)")
+    ap.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
+                    help="KV pool of each engine (SmolLM2: 46 KB a token; mind the engines' sum)")
     args = ap.parse_args(argv)
     names = [v.strip() for v in args.variants.split(";")]
     model = str(resolve_model_path(args.model))
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
     build_cpu_kernels()
     engines = {
         n: PlaitEngine(
-            n, model, log_level="warning", max_total_tokens=KV_TOKENS, **parse_variant(n)
+            n, model, log_level="warning", max_total_tokens=args.kv_tokens, **parse_variant(n)
         )
         for n in names
     }
@@ -100,7 +104,7 @@ def main(argv=None) -> int:
         for e in engines.values():
             e.close()
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"workload-levers-{Path(args.model).name}.json"
+    out = args.out or RESULTS / f"workload-levers-{Path(args.model).name}.json"
     out.write_text(
         json.dumps({"model": args.model, "repeats": args.repeats, "rows": rows}, indent=1)
     )

@@ -141,13 +141,20 @@ class ServerArgs:
         "token under the mask, instead of the forced text's own tokenization",
     )
     speculative_ngram: int = _opt(
-        0, "n-gram (prompt-lookup) speculative decoding: propose up to K tokens that followed "
+        4, "n-gram (prompt-lookup) speculative decoding: propose up to K tokens that followed "
         "the latest earlier match of the sequence's last n-gram and verify them in one forward "
-        "(greedy requests without grammar or penalties; output unchanged); 0: off",
+        "(greedy requests without grammar or penalties; output unchanged; only in forwards of "
+        "at most --speculative-ngram-max-rows rows); 0: off",
     )
     speculative_ngram_max_tokens: int = _opt(
         16, "most draft tokens verified per forward, summed over its requests (drafts widen "
         "the forward; requests whose drafts were accepted most get them first)",
+    )
+    speculative_ngram_max_rows: int = _opt(
+        8, "speculate only in forwards this narrow: the decoding requests plus their draft "
+        "tokens (on a CPU a forward of a few rows reads the same weights as one row and costs "
+        "little more; past ~8-16 rows, by the machine, it turns compute-bound and a rejected "
+        "draft token costs time); a batch of this many requests decodes without drafts",
     )
     speculative_ngram_max_match: int = _opt(3, "longest n-gram matched for --speculative-ngram")
     speculative_ngram_min_match: int = _opt(1, "shortest n-gram matched for --speculative-ngram")
@@ -236,6 +243,9 @@ class ServerArgs:
             raise ValueError(f"num_threads: must be a positive integer, got {self.num_threads!r}")
         if not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 0:
             raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram!r}")
+        for name in ("speculative_ngram_max_tokens", "speculative_ngram_max_rows"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be an integer >= 0, got {getattr(self, name)!r}")
         if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match:
             raise ValueError(
                 "speculative_ngram_min_match, speculative_ngram_max_match: need "

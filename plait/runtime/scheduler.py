@@ -366,10 +366,17 @@ class Scheduler:
         drafts: dict[int, list[int]] = {}
         if not a.speculative_ngram:
             return [[] for _ in reqs]
-        # draft tokens make the forward wider: past a few dozen rows a CPU forward is compute-
-        # bound and a rejected draft costs real time, so they go to the requests whose drafts
-        # were accepted most, within a per-forward budget
-        budget = min(self.kv.available - len(reqs), a.speculative_ngram_max_tokens)
+        # draft tokens make the forward wider: a narrow forward is bound by reading the
+        # weights, so its extra rows come almost free, but past ~16 rows a CPU forward is
+        # compute-bound and a rejected draft costs real time. So drafts fill a forward up to
+        # max_rows rows, within a per-forward budget, going to the requests whose drafts
+        # were accepted most
+        budget = min(
+            self.kv.available - len(reqs), a.speculative_ngram_max_tokens,
+            a.speculative_ngram_max_rows - len(reqs),
+        )
+        if budget <= 0:
+            return [[] for _ in reqs]
         candidates = [r for r in reqs if _may_speculate(r)]
         for req in candidates:
             if req.ngram_index is None:

@@ -52,6 +52,8 @@ def repetitive_prompts(n: int, seed: int = 1) -> list[list[int]]:
 def run(make_scheduler, k: int, reqs: list[dict], **server) -> tuple[dict, dict, dict]:
     """Runs reqs (rid, input_ids, sampling_params[, return_logprob]) to completion; returns
     ({rid: output ids}, {rid: (finish reason, meta extras, logprobs)}, counters)."""
+    # exactness is checked in wide batches too: no row limit unless a test sets one
+    server.setdefault("speculative_ngram_max_rows", 1 << 16)
     s, io = make_scheduler(speculative_ngram=k, **server)
     for r in reqs:
         io.inbox.put(TokenizedGenerateReq(**r))
@@ -156,6 +158,32 @@ def test_mixed_batch_sampled_constrained_and_logprobs(make_scheduler):
     assert max(abs(a - b) for a, b in zip(base_lp, spec_lp)) < 1e-4
     for rid in ("seeded", "pen", "json"):  # never speculated
         assert "spec_accepted_tokens" not in res["spec_info"][rid][1]
+
+
+def test_drafts_fill_a_forward_up_to_max_rows(make_scheduler):
+    """--speculative-ngram-max-rows: drafts widen a decode forward to at most that many rows
+    (requests + draft tokens); a batch of that many requests decodes without drafts."""
+    prompts = repetitive_prompts(8, seed=6)
+    reqs = [greedy(f"g{i}", p, max_new_tokens=32, ignore_eos=True) for i, p in enumerate(prompts)]
+    widths = []
+    s, io = make_scheduler(speculative_ngram=K, speculative_ngram_max_rows=12)
+    real = s.runner.forward
+
+    def forward(batch, rows):
+        if batch.draft_ids is not None:
+            widths.append(sum(batch.extend_lens))
+        return real(batch, rows)
+
+    s.runner.forward = forward
+    for r in reqs:
+        io.inbox.put(TokenizedGenerateReq(**r))
+    drain(s, max_steps=2000)
+    assert widths and max(widths) <= 12 and s.counters["spec_accepted_tokens"] > 0
+    # as many requests as rows: none speculates, the output is the same
+    wide, _, counters = run(make_scheduler, K, reqs, speculative_ngram_max_rows=8)
+    assert counters["spec_forwards"] == counters["spec_draft_tokens"] == 0
+    base, _, _ = run(make_scheduler, 0, reqs)
+    assert wide == base
 
 
 def test_drafts_under_memory_pressure(make_scheduler):
