@@ -364,17 +364,15 @@ class Scheduler:
         the KV slots left after one slot per request."""
         a = self.args
         drafts: dict[int, list[int]] = {}
-        if not a.speculative_ngram:
-            return [[] for _ in reqs]
         # draft tokens make the forward wider: a narrow forward is bound by reading the
-        # weights, so its extra rows come almost free, but past ~16 rows a CPU forward is
-        # compute-bound and a rejected draft costs real time. So drafts fill a forward up to
-        # max_rows rows, within a per-forward budget, going to the requests whose drafts
-        # were accepted most
+        # weights, so its extra rows come almost free, but past ~8-16 rows (by the machine) a
+        # CPU forward is compute-bound and a rejected draft costs real time. So drafts fill a
+        # forward up to max_rows rows, within a per-forward budget, going to the requests
+        # whose drafts were accepted most
         budget = min(
             self.kv.available - len(reqs), a.speculative_ngram_max_tokens,
             a.speculative_ngram_max_rows - len(reqs),
-        )
+        ) if a.speculative_ngram else 0
         if budget <= 0:
             return [[] for _ in reqs]
         candidates = [r for r in reqs if _may_speculate(r)]
