@@ -12,7 +12,8 @@
 //         scale[p, g, j], mins[p, g, j] for features 32 p + j, inputs 32 g .. 32 g + 31
 //         W[n, k] = q * scale + min (GGUF Q4_1's form)          float16 [P, K / 32, 32]
 // so the 32 features of one input k are one 16- or 32-byte load, expanded in registers into
-// two vectors (features j and j + 16; AVX2 takes each panel as two halves of 2 x 8 features).
+// two vectors (features j and j + 16; AVX2 takes each panel as two halves of 2 x 8 features,
+// or, for fp32 tiles of one or two rows, as four vectors in one pass).
 //
 // The GEMM is a register-tiled outer product: a tile of MR activation rows x one panel keeps
 // MR x 2 vector accumulators; per input k it broadcasts x[m, k] and multiplies it into the two
@@ -244,6 +245,53 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t K, const Weigh
   }
 }
 
+// AVX2 only (a panel is two vector-pair halves there), fp32, one or two rows: the whole panel
+// in one pass, four weight vectors per input, so each of the panel's cache lines is read once
+// from the prefetched stream (the half-by-half tiles read every line twice, the second time
+// from L2). SmolLM2's batch-1 linears: 21.9 -> 18.7 ms on the AVX2 EPYC.
+template <int MR, int SPLIT>
+void tile_whole_panel(const float* x, int64_t ldx, int64_t K, const Fp32Weights& wt,
+                      const Dest& d, int64_t m0) {
+  vf acc[SPLIT][MR][4];
+#pragma GCC unroll 2
+  for (int s = 0; s < SPLIT; s++)
+#pragma GCC unroll 2
+    for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) acc[s][m][j] = vzero();
+  const float* xm = x + m0 * ldx;
+  for (int64_t k = 0; k < K; k += SPLIT) {
+#pragma GCC unroll 2
+    for (int s = 0; s < SPLIT; s++) {
+      if (k + s >= K) break;  // SPLIT 2, odd K
+      const float* wk = wt.w + (k + s) * kPanel;
+      // the same prefetches as Fp32Weights::Group::pair: `lines` lines per input
+      if (wt.lines > 0) _mm_prefetch((const char*)(wt.pf + (k + s) * 16 * wt.lines), _MM_HINT_T0);
+      if (wt.lines > 1) _mm_prefetch((const char*)(wt.pf + (k + s) * 32 + 16), _MM_HINT_T0);
+      const vf w0 = vload(wk), w1 = vload(wk + W), w2 = vload(wk + 2 * W), w3 = vload(wk + 3 * W);
+#pragma GCC unroll 2
+      for (int m = 0; m < MR; m++) {
+        const vf xb = vbcast(xm + m * ldx + k + s);
+        acc[s][m][0] = vfma(w0, xb, acc[s][m][0]);
+        acc[s][m][1] = vfma(w1, xb, acc[s][m][1]);
+        acc[s][m][2] = vfma(w2, xb, acc[s][m][2]);
+        acc[s][m][3] = vfma(w3, xb, acc[s][m][3]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int m = 0; m < MR; m++) {
+    float* row = d.out + (m0 + m) * d.ldo;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+      vf a = acc[0][m][j];
+#pragma GCC unroll 2
+      for (int s = 1; s < SPLIT; s++) a = vadd(a, acc[s][m][j]);
+      store_vec(d, row, j * W, a);
+    }
+  }
+}
+
 // One panel x rows [r0, r1): the first tile from the quantized weights (writing the scratch
 // when more rows follow), the rest from the scratch.
 template <class Weights>
@@ -280,6 +328,13 @@ void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Des
     } else if (t < 2 && next) {
       w.pf = next + t * K * 16;
       w.lines = 1;
+    }
+    if constexpr (kHalves == 2) {  // AVX2: one or two rows take the whole panel in one pass
+      if (rows <= 2) {
+        if (rows == 1) tile_whole_panel<1, 2>(x, K, K, w, d, m);
+        else tile_whole_panel<2, 1>(x, K, K, w, d, m);
+        continue;
+      }
     }
     for (int h = 0; h < kHalves; h++)
       tile_rows<kScratchRows>(rows, x, K, K, w, h, d, m, nullptr);

@@ -20,7 +20,7 @@ def kernels():
     assert woq.start_linear_kernels(block=True)
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (13, 64), (7, 96), (200, 1536)])
+@pytest.mark.parametrize("shape", [(960, 576), (13, 64), (7, 96), (200, 1536), (45, 37)])
 def test_panel_linear_equals_torch_linear(shape):
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
@@ -43,7 +43,7 @@ def test_every_isa_build_equals_torch_linear(isa):
     weight = torch.randn(200, 96, generator=gen)
     panels = woq.to_panels_fp32(weight)
     ops = woq.load_kernels(isa)
-    for rows in (1, 4, 7, 12, 13, 40, 70):
+    for rows in (1, 2, 3, 4, 7, 12, 13, 31, 40, 70):
         x = torch.randn(rows, 96, generator=gen)
         torch.testing.assert_close(ops.fp32_linear(x, panels, 200), x @ weight.t(),
                                    atol=1e-4, rtol=1e-4)
