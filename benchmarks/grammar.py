@@ -250,9 +250,21 @@ def dev_schemas(model: str, backend: str, max_tokens: int) -> dict:
     }
 
 
+def _git_rev() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
 def markdown(res: dict) -> str:
+    git = f", git {res['git']}" if res.get("git") else ""
     lines = [f"## Constrained generation — {res['model_name']}", "",
-             f"`python -m benchmarks.grammar` ({res['when']}); greedy; plait-tiny random weights.",
+             f"`python -m benchmarks.grammar --model {res['model_name']}` ({res['when']}{git}); "
+             f"greedy{'; random weights' if res['model_name'] == 'plait-tiny' else ''}.",
              "", "| backend | constrained tok/s | unconstrained tok/s | ratio | forwards/req JF on | "
              "JF off | fewer forwards | same text on/off | finished | valid |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -319,7 +331,7 @@ def main(argv=None) -> int:
     for f in sorted(DEV.glob("*/*.json"))[::40][:5]:
         schemas[f.relative_to(DEV).as_posix()] = f.read_text()
     res = {"model_name": args.model, "when": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-           "backends": {}}
+           "git": _git_rev(), "backends": {}}
     for backend in args.backends.split(","):
         print(f"[{backend}] long-maxLength schemas: per-token cost", flush=True)
         r = {"long_strings": long_strings(model, backend)}

@@ -114,6 +114,12 @@ class ServerArgs:
         0.25, "fraction of free memory (RAM on CPU, GPU memory on CUDA) given to the KV pool"
     )
     chunked_prefill_size: int = _opt(2048, "maximum tokens prefilled in one step (chunked prefill)")
+    kv_run_tokens: int = _opt(
+        16, "KV slots a request sets aside for its next tokens when it allocates (taken only "
+        "from free slots, given back before any allocation would fail), so that its decode "
+        "tokens sit in adjacent slots that the CPU attention kernel reads as one stream; 0: off "
+        "(a decode step then hands the batch's requests consecutive slots in turn)",
+    )
     disable_radix_cache: bool = _opt(False, "turn off prefix reuse (same interface, no sharing)")
     schedule_policy: str = _opt(
         "lpm", "lpm: longest prefix match first; fcfs (both by priority first)",
@@ -243,7 +249,7 @@ class ServerArgs:
             raise ValueError(f"num_threads: must be a positive integer, got {self.num_threads!r}")
         if not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 0:
             raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram!r}")
-        for name in ("speculative_ngram_max_tokens", "speculative_ngram_max_rows"):
+        for name in ("speculative_ngram_max_tokens", "speculative_ngram_max_rows", "kv_run_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be an integer >= 0, got {getattr(self, name)!r}")
         if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match:

@@ -52,6 +52,9 @@ class Req:
     # positions [kv_len, alloc_len) have slots allocated for the forward being run; a forward
     # that fails leaves them uncomputed, and release() returns them to the pool
     alloc_len: int = 0
+    # positions [alloc_len, reserved_len) have slots set aside for the request's next tokens
+    # (KVManager's runs: a request's tokens in adjacent slots); none when reserved_len <= alloc_len
+    reserved_len: int = 0
     prefix_indices: torch.Tensor = _EMPTY
     last_node: Any = None
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission

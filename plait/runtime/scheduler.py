@@ -63,7 +63,8 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(args, model_path, tp)  # tp: rank 0 of a tensor-parallel group
         cache = RadixCache(self.runner.kv_pool, disable=args.disable_radix_cache)
-        self.kv = KVManager(self.runner.kv_pool, self.runner.req_to_token_pool, cache)
+        self.kv = KVManager(self.runner.kv_pool, self.runner.req_to_token_pool, cache,
+                            run=args.kv_run_tokens)
         cfg = self.runner.config
         self.eos_ids = tuple(cfg.eos_token_ids)
         self.sampler = Sampler(len(tokenizer), self.eos_ids, args.random_seed)

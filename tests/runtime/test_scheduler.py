@@ -24,6 +24,7 @@ def drain(s: Scheduler, max_steps: int = 500) -> None:
         s.kv.cache.check_integrity()
         pool = s.runner.kv_pool
         held = sum(r.kv_len for r in s.running) + (s.chunked.kv_len if s.chunked else 0)
+        held += s.kv.reserved  # set aside for running requests' next tokens
         # every slot is free, cached, or held by a running request (shared prefixes counted once)
         assert pool.free_size + s.kv.cache.total_size() <= pool.size
         assert pool.free_size + s.kv.cache.evictable_size() + s.kv.cache.protected_size() + held >= pool.size
@@ -146,3 +147,37 @@ def test_a_jump_forward_extend_carries_the_decoding_requests(make_scheduler):
     lens = {r.rid: n for r, n in zip(batch.reqs, batch.extend_lens)}
     assert lens == {forced.rid: 3, **{r.rid: 1 for r in s.running if r is not forced}}
     assert all(batch.samples_token)
+
+
+def _outputs(io) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for msg in io.outbox:
+        if isinstance(msg, BatchTokenOut):
+            for rid, new in zip(msg.rids, msg.new_token_ids):
+                out.setdefault(rid, []).extend(new)
+    return out
+
+
+def test_kv_runs_put_each_requests_decode_tokens_in_adjacent_slots(make_scheduler):
+    """With --kv-run-tokens a decode batch's requests each read their KV as runs of adjacent
+    slots (without, a step hands them consecutive slots in turn: 4 requests, 4 slots apart);
+    the output is the same either way, and every slot comes back."""
+    rows, outs = {}, {}
+    for run in (0, 16):
+        s, io = make_scheduler(max_total_tokens=2048, kv_run_tokens=run, speculative_ngram=0)
+        for i in range(4):
+            submit(io, f"r{i}", list(range(10 + i, 40 + i)), max_new_tokens=40, ignore_eos=True)
+        for _ in range(200):
+            s.step()
+            if any(len(r.output_ids) >= 39 for r in s.running):
+                break
+        assert len(s.running) == 4
+        rows[run] = [s.kv.req_to_token.read(r.req_pool_idx, r.kv_len, 30).tolist()
+                     for r in s.running]
+        drain(s)
+        outs[run] = _outputs(io)
+        assert s.kv.used == 0 and s.kv.reserved == 0
+    assert outs[0] == outs[16] and len(outs[0]) == 4
+    steps = {run: [b - a for row in rs for a, b in zip(row, row[1:])] for run, rs in rows.items()}
+    assert all(abs(d) == 4 for d in steps[0])  # interleaved
+    assert steps[16].count(1) >= 0.9 * len(steps[16])  # adjacent but at a run's start

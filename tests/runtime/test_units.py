@@ -173,6 +173,122 @@ def test_kv_manager_cannot_allocate_twice_for_one_forward():
         kv.alloc(req, 1)
 
 
+def _decode(kv, req, steps: int) -> None:
+    """steps decode steps of req alone: a slot for its pending token, then its KV computed."""
+    for _ in range(steps):
+        req.output_ids.append(99)
+        assert kv.alloc(req, 1)
+        kv.commit(req, 1)
+
+
+def _row(kv, req, start: int = 0) -> list[int]:
+    return kv.req_to_token.read(req.req_pool_idx, req.kv_len, start).tolist()
+
+
+@pytest.mark.parametrize("run", [0, 8])
+def test_kv_runs_give_a_requests_decode_tokens_adjacent_slots(run):
+    kv = make_kv(size=256, max_context=128, run=run)
+    a, b = make_req("a", list(range(1, 11))), make_req("b", list(range(20, 30)))
+    for r in (a, b):
+        assert kv.admit(r) and kv.alloc(r, 10)
+        kv.commit(r, 10)
+    for _ in range(16):  # a decode batch of two: each step one slot for each, in turn
+        _decode(kv, a, 1)
+        _decode(kv, b, 1)
+    steps = [y - x for r in (a, b) for x, y in zip(_row(kv, r, 10), _row(kv, r, 10)[1:])]
+    if run == 0:  # the old layout: the two requests' tokens interleave, two slots apart
+        assert set(map(abs, steps)) == {2}
+    else:  # runs of 8 adjacent slots (a new run starts wherever the pool's next free run is)
+        assert steps.count(1) >= len(steps) - 2 * (16 // 8)
+    for r in (a, b):
+        kv.release(r)
+    assert kv.reserved == 0 and kv.used == 0
+    assert kv.kv_pool.free_size + kv.cache.evictable_size() == 256
+
+
+def test_kv_set_aside_slots_are_available_and_taken_back_before_an_allocation_fails():
+    kv = make_kv(size=40, max_context=64, run=16, cache=False)
+    a = make_req("a", list(range(1, 11)), max_new_tokens=100)
+    assert kv.admit(a) and kv.alloc(a, 10)  # 10 + 16 set aside
+    kv.commit(a, 10)
+    assert kv.reserved == 16 and kv.kv_pool.free_size == 14
+    assert kv.available == 30 and kv.used == 10  # set-aside slots count as obtainable
+    b = make_req("b", list(range(20, 45)))
+    assert kv.admit(b) and kv.alloc(b, 25)  # 14 free + 11 of a's set-aside slots
+    kv.commit(b, 25)
+    assert a.reserved_len == a.alloc_len and kv.reserved == 0  # a's all given back
+    assert kv.kv_pool.free_size == 5 and kv.used == 35
+    _decode(kv, a, 1)  # a allocates again, from the free slots
+    assert kv.used == 36 and sorted(set(_row(kv, a) + _row(kv, b)))[0] >= 1
+    assert len(set(_row(kv, a)) | set(_row(kv, b))) == 36  # no slot handed out twice
+    for r in (a, b):
+        kv.release(r)
+    assert kv.kv_pool.free_size == 40 and kv.reserved == 0
+
+
+def test_kv_set_aside_slots_are_taken_back_before_the_cache_is_evicted():
+    kv = make_kv(size=40, max_context=64, run=16)
+    c = make_req("c", list(range(100, 110)), max_new_tokens=0)
+    assert kv.admit(c) and kv.alloc(c, 10)  # no new tokens: nothing set aside
+    kv.commit(c, 10)
+    kv.release(c)  # 10 tokens cached, evictable
+    assert kv.reserved == 0 and kv.cache.evictable_size() == 10
+    a = make_req("a", list(range(1, 11)), max_new_tokens=100)
+    assert kv.admit(a) and kv.alloc(a, 10) and kv.reserved == 16
+    kv.commit(a, 10)
+    b = make_req("b", list(range(20, 24)))
+    assert kv.admit(b) and kv.alloc(b, 4)  # 4 free slots: b's own (nothing left to set aside)
+    d = make_req("d", list(range(30, 38)))
+    assert kv.admit(d) and kv.alloc(d, 8)  # from a's set-aside slots, not the cache
+    assert kv.cache.evictable_size() == 10 and kv.reserved == 0
+
+
+def test_kv_rejected_draft_slots_stay_set_aside_for_the_next_tokens():
+    kv = make_kv(size=64, max_context=64, run=0)
+    req = make_req("r", list(range(1, 11)))
+    assert kv.admit(req) and kv.alloc(req, 10)
+    kv.commit(req, 10)
+    req.output_ids.append(99)
+    assert kv.alloc(req, 5)  # the pending token and a 4-token draft
+    verify_slots = kv.req_to_token.read(req.req_pool_idx, 15, 10).tolist()
+    kv.commit(req, 2)  # the pending token and one draft token accepted
+    req.output_ids += [98, 97]  # the accepted draft token and the one sampled after it
+    kv.free_uncommitted(req)
+    assert req.alloc_len == req.kv_len == 12 and kv.reserved == 3
+    free = kv.kv_pool.free_size
+    assert kv.alloc(req, 3)  # the three rejected slots again, no new ones
+    assert kv.kv_pool.free_size == free and kv.reserved == 0
+    assert kv.req_to_token.read(req.req_pool_idx, 15, 10).tolist() == verify_slots
+    kv.commit(req, 3)
+    req.output_ids += [96, 95, 94]
+    kv.release(req)
+    assert kv.kv_pool.free_size + kv.cache.evictable_size() == 64
+
+
+def test_kv_runs_stop_at_the_request_row_end_and_its_token_budget():
+    kv = make_kv(size=256, max_context=24, run=16)
+    req = make_req("r", list(range(1, 11)), max_new_tokens=100)
+    assert kv.admit(req) and kv.alloc(req, 10)
+    assert req.reserved_len == 24 and kv.reserved == 14  # the row holds 24 positions
+    short = make_req("s", list(range(30, 40)), max_new_tokens=3)
+    assert kv.admit(short) and kv.alloc(short, 10)
+    assert short.reserved_len == 13 and kv.reserved == 17  # at most its 3 new tokens
+
+
+def test_kv_failed_forward_returns_set_aside_and_allocated_slots():
+    kv = make_kv(size=64, run=8, cache=True)
+    req = make_req("r", list(range(1, 11)))
+    assert kv.admit(req) and kv.alloc(req, 10)  # the forward would run now ... and fails
+    assert kv.kv_pool.free_size == 64 - 18
+    kv.release(req)
+    assert kv.kv_pool.free_size == 64 and kv.cache.total_size() == 0 and kv.reserved == 0
+
+
+def test_kv_run_must_not_be_negative():
+    with pytest.raises(ValueError, match="run"):
+        make_kv(run=-1)
+
+
 def test_kv_manager_evicts_unlocked_cache_to_allocate():
     kv = make_kv(size=16)
     a = make_req("a", list(range(1, 13)))

@@ -27,9 +27,12 @@ def ids(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
-def make_kv(size: int = 64, max_reqs: int = 4, max_context: int = 64, cache: bool = True) -> KVManager:
+def make_kv(size: int = 64, max_reqs: int = 4, max_context: int = 64, cache: bool = True,
+            run: int = 0) -> KVManager:
+    """run=0 (nothing set aside): a test counts exact slots; the runs have tests of their own."""
     pool = KVPool(size, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
-    return KVManager(pool, ReqToTokenPool(max_reqs, max_context), RadixCache(pool, disable=not cache))
+    return KVManager(pool, ReqToTokenPool(max_reqs, max_context), RadixCache(pool, disable=not cache),
+                     run=run)
 
 
 def make_req(rid: str, prompt: list[int], priority: int = 0, **sampling) -> Req:
