@@ -22,7 +22,9 @@
 4. `--peers vllm,llamacpp` (the peers' venv, benchmarks/peers.py) adds vLLM-CPU's step (fp32,
    the same checkpoint) and llama.cpp's step on each GGUF (`--gguf`, repeat; default for a
    named model: its Q4_1 file and the cached F32 GGUF of the same weights) at the same batches,
-   measured the same way (prefill, then steps). llama.cpp's bound uses its own bytes: the GGUF
+   measured as the difference of two calls that each prefill (the peers reset their prefix
+   caches: at batch 1-8 the prefill is short; their batch-32 figures carry the prefill's
+   variation that plait's no longer do). llama.cpp's bound uses its own bytes: the GGUF
    file's size as the weights read per step and its KV precision (f16 beside quantized
    weights, f32 beside F32 ones; benchmarks/peers.py); for a quantized file only the memory
    bound is given (its integer dot products are not bounded by the fp32 GEMM peak).
