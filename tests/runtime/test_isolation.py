@@ -14,7 +14,7 @@ from plait.messages import BatchTokenOut, RequestErrorOut, TokenizedGenerateReq
 from plait.runtime import logprobs
 from plait.runtime.scheduler import Scheduler
 from tests.runtime.test_scheduler import drain as drain_running
-from tests.runtime.test_scheduler import finished
+from tests.runtime.test_scheduler import finished, outputs
 
 pytestmark = pytest.mark.model
 
@@ -40,15 +40,6 @@ def drain(s: Scheduler) -> None:
 
 def errors(io) -> dict[str, RequestErrorOut]:
     return {m.rid: m for m in io.outbox if isinstance(m, RequestErrorOut)}
-
-
-def outputs(io) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for m in io.outbox:
-        if isinstance(m, BatchTokenOut):
-            for rid, toks in zip(m.rids, m.new_token_ids):
-                out.setdefault(rid, []).extend(toks)
-    return out
 
 
 def assert_idle(s: Scheduler) -> None:

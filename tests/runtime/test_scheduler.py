@@ -3,6 +3,7 @@ accounting after every step, the lpm policy; model-path errors."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -31,6 +32,16 @@ def drain(s: Scheduler, max_steps: int = 500) -> None:
         if not s.has_work:
             return
     raise AssertionError("scheduler did not go idle")
+
+
+def outputs(io) -> dict[str, list[int]]:
+    """Each request's output tokens, from the scheduler's messages so far."""
+    out: dict[str, list[int]] = {}
+    for msg in io.outbox:
+        if isinstance(msg, BatchTokenOut):
+            for rid, new in zip(msg.rids, msg.new_token_ids):
+                out.setdefault(rid, []).extend(new)
+    return out
 
 
 def finished(io) -> dict[str, dict]:
@@ -149,15 +160,6 @@ def test_a_jump_forward_extend_carries_the_decoding_requests(make_scheduler):
     assert all(batch.samples_token)
 
 
-def _outputs(io) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for msg in io.outbox:
-        if isinstance(msg, BatchTokenOut):
-            for rid, new in zip(msg.rids, msg.new_token_ids):
-                out.setdefault(rid, []).extend(new)
-    return out
-
-
 def test_kv_runs_put_each_requests_decode_tokens_in_adjacent_slots(make_scheduler):
     """With --kv-run-tokens a decode batch's requests each read their KV as runs of adjacent
     slots (without, a step hands them consecutive slots in turn: 4 requests, 4 slots apart);
@@ -175,9 +177,9 @@ def test_kv_runs_put_each_requests_decode_tokens_in_adjacent_slots(make_schedule
         rows[run] = [s.kv.req_to_token.read(r.req_pool_idx, r.kv_len, 30).tolist()
                      for r in s.running]
         drain(s)
-        outs[run] = _outputs(io)
+        outs[run] = outputs(io)
         assert s.kv.used == 0 and s.kv.reserved == 0
     assert outs[0] == outs[16] and len(outs[0]) == 4
-    steps = {run: [b - a for row in rs for a, b in zip(row, row[1:])] for run, rs in rows.items()}
+    steps = {run: [b - a for row in rs for a, b in itertools.pairwise(row)] for run, rs in rows.items()}
     assert all(abs(d) == 4 for d in steps[0])  # interleaved
     assert steps[16].count(1) >= 0.9 * len(steps[16])  # adjacent but at a run's start

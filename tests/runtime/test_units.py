@@ -4,6 +4,7 @@ admission policy (priority tiers, aging, retraction order, budget) and KVManager
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -195,7 +196,7 @@ def test_kv_runs_give_a_requests_decode_tokens_adjacent_slots(run):
     for _ in range(16):  # a decode batch of two: each step one slot for each, in turn
         _decode(kv, a, 1)
         _decode(kv, b, 1)
-    steps = [y - x for r in (a, b) for x, y in zip(_row(kv, r, 10), _row(kv, r, 10)[1:])]
+    steps = [y - x for r in (a, b) for x, y in itertools.pairwise(_row(kv, r, 10))]
     if run == 0:  # the old layout: the two requests' tokens interleave, two slots apart
         assert set(map(abs, steps)) == {2}
     else:  # runs of 8 adjacent slots (a new run starts wherever the pool's next free run is)
@@ -219,7 +220,7 @@ def test_kv_set_aside_slots_are_available_and_taken_back_before_an_allocation_fa
     assert a.reserved_len == a.alloc_len and kv.reserved == 0  # a's all given back
     assert kv.kv_pool.free_size == 5 and kv.used == 35
     _decode(kv, a, 1)  # a allocates again, from the free slots
-    assert kv.used == 36 and sorted(set(_row(kv, a) + _row(kv, b)))[0] >= 1
+    assert kv.used == 36 and min(_row(kv, a) + _row(kv, b)) >= 1
     assert len(set(_row(kv, a)) | set(_row(kv, b))) == 36  # no slot handed out twice
     for r in (a, b):
         kv.release(r)
