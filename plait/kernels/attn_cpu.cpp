@@ -235,6 +235,28 @@ inline vec score_block(const float* q, const float* const* krow, const Shape& sh
   return vsum_each(acc);
 }
 
+// NR (1..8) query rows of qs ([NR, Dp] rows) against the transposed block kt [Dp, W]: s [NR, W].
+// A row's multiply-adds over d form one dependency chain; fewer than 5 rows run two chains a
+// row over alternate d (one chain a row left the FMA units idle 3 cycles in 4: a 4-row tail
+// cost as much as 32 rows in full groups).
+template <int NR>
+inline void score_rows_tile(const float* q, const float* kt, const Shape& sh, float* s) {
+  constexpr int C = NR <= 4 ? 2 : 1;  // chains per row (Dp is a whole number of vectors: even)
+  vec acc[C][NR];
+  for (int c = 0; c < C; c++)
+    for (int i = 0; i < NR; i++) acc[c][i] = vzero();
+  for (int64_t d = 0; d < sh.Dp; d += C)
+    for (int c = 0; c < C; c++) {
+      const vec k = vload(kt + (d + c) * W);
+      for (int i = 0; i < NR; i++) acc[c][i] = vfma(vset1(q[i * sh.Dp + d + c]), k, acc[c][i]);
+    }
+  for (int i = 0; i < NR; i++) {
+    vec a = acc[0][i];
+    for (int c = 1; c < C; c++) a = vadd(a, acc[c][i]);
+    vstore(s + i * W, a);
+  }
+}
+
 // Many query rows against one block (a shared prefix's n members x G heads): the block's K
 // rows transposed once into kt [Dp, W], then scores s[r] = sum_d q[r, d] kt[d] as a small
 // GEMM, 8 rows at a time (no horizontal sums). qs: [R, Dp] of one kv head; s: [R, W].
@@ -245,21 +267,18 @@ void score_rows_gemm(const float* qs, int64_t R, const float* const* kh, const S
   for (int64_t d = sh.D; d < sh.Dp; d++)
     for (int64_t t = 0; t < W; t++) kt[d * W + t] = 0.0f;
   int64_t r0 = 0;
-  for (; r0 + 8 <= R; r0 += 8) {
-    vec acc[8];
-    for (int i = 0; i < 8; i++) acc[i] = vzero();
-    const float* q = qs + r0 * sh.Dp;
-    for (int64_t d = 0; d < sh.Dp; d++) {
-      const vec k = vload(kt + d * W);
-      for (int i = 0; i < 8; i++) acc[i] = vfma(vset1(q[i * sh.Dp + d]), k, acc[i]);
-    }
-    for (int i = 0; i < 8; i++) vstore(s + (r0 + i) * W, acc[i]);
-  }
-  for (; r0 < R; r0++) {
-    vec acc = vzero();
-    for (int64_t d = 0; d < sh.Dp; d++)
-      acc = vfma(vset1(qs[r0 * sh.Dp + d]), vload(kt + d * W), acc);
-    vstore(s + r0 * W, acc);
+  for (; r0 + 8 <= R; r0 += 8) score_rows_tile<8>(qs + r0 * sh.Dp, kt, sh, s + r0 * W);
+  const float* q = qs + r0 * sh.Dp;
+  float* sr = s + r0 * W;
+  switch (R - r0) {
+    case 1: return score_rows_tile<1>(q, kt, sh, sr);
+    case 2: return score_rows_tile<2>(q, kt, sh, sr);
+    case 3: return score_rows_tile<3>(q, kt, sh, sr);
+    case 4: return score_rows_tile<4>(q, kt, sh, sr);
+    case 5: return score_rows_tile<5>(q, kt, sh, sr);
+    case 6: return score_rows_tile<6>(q, kt, sh, sr);
+    case 7: return score_rows_tile<7>(q, kt, sh, sr);
+    default: return;
   }
 }
 

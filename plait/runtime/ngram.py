@@ -54,6 +54,17 @@ class NgramIndex:
         return []
 
 
+def likely_tokens(acceptance: float, most: int, odds: float = 0.5) -> int:
+    """How many leading draft tokens (at most `most`) are kept with probability >= odds, each
+    token kept with probability `acceptance` (the request's recent rate) after its predecessor
+    was: the largest j with acceptance ** j >= odds."""
+    if acceptance >= 1.0:
+        return most
+    if acceptance < odds:
+        return 0
+    return min(most, int(math.log(odds) / math.log(acceptance) + 1e-9))
+
+
 def accepted_prefix(draft: list[int], targets: list[int]) -> int:
     """How many draft tokens the model agrees with: targets[i] is the model's token after the
     sequence extended by draft[:i]."""

@@ -39,7 +39,7 @@ from plait.runtime.constraints import ConstraintTracker
 from plait.runtime.core import Batch, Req, RequestFailed
 from plait.runtime.kv_manager import KVManager
 from plait.runtime.model_runner import ModelRunner
-from plait.runtime.ngram import NgramIndex, accepted_prefix
+from plait.runtime.ngram import NgramIndex, accepted_prefix, likely_tokens
 from plait.runtime.output import OutputCollector, StopChecker
 from plait.runtime.parallel import TPGroup
 from plait.runtime.sampler import Sampler
@@ -380,14 +380,21 @@ class Scheduler:
         for req in candidates:
             if req.ngram_index is None:
                 req.ngram_index = NgramIndex(a.speculative_ngram_min_match, a.speculative_ngram_max_match)
+        rows = len(reqs)
         for req in sorted(candidates, key=lambda r: -r.ngram_index.acceptance):
             n = min(
                 req.ngram_index.draft_len(a.speculative_ngram), budget,
                 req.remaining_new_tokens - 1, self.runner.context_length - req.seq_len,
             )
+            # past the narrow rows, a row costs about half a decoded token (args.py): only the
+            # draft tokens with even odds of being kept
+            narrow = max(0, a.speculative_ngram_narrow_rows - rows)
+            if n > narrow:
+                n = narrow + likely_tokens(req.ngram_index.acceptance, n - narrow)
             if n > 0:
                 drafts[id(req)] = req.ngram_index.propose(req.all_ids, n)
                 budget -= len(drafts[id(req)])
+                rows += len(drafts[id(req)])
         return [drafts.get(id(r), []) for r in reqs]
 
     def _retract_one(self) -> Req | None:

@@ -268,9 +268,12 @@ def test_decode_kernel_gqa_shapes_and_head_dims(isa_kernel, kv_heads, rows_per_h
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("rows_per_head,head_dim", [(23, 64), (24, 64), (27, 72), (40, 16)])
+@pytest.mark.parametrize(
+    "rows_per_head,head_dim", [(23, 64), (24, 64), (27, 72), (29, 64), (36, 64), (40, 16)]
+)
 def test_decode_kernel_many_query_rows(isa_kernel, rows_per_head, head_dim):
-    # from 24 rows per kv head the scores are a small GEMM over the block's K transposed
+    # from 24 rows per kv head the scores are a small GEMM over the block's K transposed, 8 rows
+    # a tile and the rest (3, 5, 4 here) in one tile of their own
     gen = torch.Generator().manual_seed(rows_per_head)
     rows = [torch.randperm(600, generator=gen)[:n] * 2 + 1 for n in (1, 17, 300)]
     k, v = _poisoned_pool(rows, 2, head_dim, seed=rows_per_head)

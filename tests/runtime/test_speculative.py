@@ -11,7 +11,7 @@ import time
 import pytest
 
 from plait.messages import BatchTokenOut, RequestErrorOut, TokenizedGenerateReq
-from plait.runtime.ngram import NgramIndex, accepted_prefix
+from plait.runtime.ngram import NgramIndex, accepted_prefix, likely_tokens
 from tests.runtime.test_parity import hf_reference
 from tests.runtime.test_scheduler import drain
 
@@ -36,6 +36,15 @@ def test_accepted_prefix():
     assert accepted_prefix([5, 6], [5, 6, 3]) == 2
     assert accepted_prefix([5], [4, 5]) == 0
     assert accepted_prefix([5], [-1, 5]) == 0  # an error row never agrees
+
+
+def test_likely_tokens_keeps_the_draft_tokens_with_even_odds():
+    assert likely_tokens(1.0, 7) == 7
+    assert likely_tokens(0.94, 16) == 11  # 0.94 ** 11 = 0.506, ** 12 = 0.476
+    assert likely_tokens(0.94, 4) == 4
+    assert likely_tokens(0.5, 4) == 1
+    assert likely_tokens(0.49, 4) == 0
+    assert likely_tokens(0.8, 4, odds=0.6) == 2  # 0.64 >= 0.6 > 0.512
 
 
 def repetitive_prompts(n: int, seed: int = 1) -> list[list[int]]:
@@ -184,6 +193,48 @@ def test_drafts_fill_a_forward_up_to_max_rows(make_scheduler):
     assert counters["spec_forwards"] == counters["spec_draft_tokens"] == 0
     base, _, _ = run(make_scheduler, 0, reqs)
     assert wide == base
+
+
+@pytest.mark.parametrize("acceptance", [0.3, 0.95])
+def test_past_the_narrow_rows_only_likely_draft_tokens(make_scheduler, monkeypatch, acceptance):
+    """--speculative-ngram-narrow-rows: up to it any request's draft widens the forward; past
+    it only draft tokens with even odds by the request's acceptance (here held fixed)."""
+    monkeypatch.setattr(NgramIndex, "record", lambda self, proposed, accepted: None)
+    monkeypatch.setattr(NgramIndex, "acceptance", acceptance, raising=False)
+    orig_init = NgramIndex.__init__
+
+    def init(self, *a):
+        orig_init(self, *a)
+        self.acceptance = acceptance
+
+    monkeypatch.setattr(NgramIndex, "__init__", init)
+    prompts = repetitive_prompts(4, seed=6)
+    reqs = [greedy(f"g{i}", p, max_new_tokens=24, ignore_eos=True) for i, p in enumerate(prompts)]
+    s, io = make_scheduler(speculative_ngram=K, speculative_ngram_max_rows=64,
+                           speculative_ngram_max_tokens=64, speculative_ngram_narrow_rows=6)
+    widths = []
+    real = s.runner.forward
+
+    def forward(batch, rows):
+        if batch.draft_ids is not None:
+            widths.append((batch.batch_size, sum(batch.extend_lens), [len(d) for d in batch.draft_ids]))
+        return real(batch, rows)
+
+    s.runner.forward = forward
+    for r in reqs:
+        io.inbox.put(TokenizedGenerateReq(**r))
+    drain(s, max_steps=2000)
+    four = [w for w in widths if w[0] == 4]
+    assert four
+    if acceptance < 0.5:  # 4 requests + 2 narrow rows, nothing past them
+        assert max(w[1] for w in four) == 6
+    else:  # 0.95: draft_len(4) = 4 tokens each, all with even odds (0.95 ** 4 = 0.81)
+        assert max(w[1] for w in four) > 6
+        assert all(max(d) <= K for _, _, d in four)
+    spec, _, _ = run(make_scheduler, K, reqs, speculative_ngram_max_rows=64,
+                     speculative_ngram_max_tokens=64, speculative_ngram_narrow_rows=6)
+    base, _, _ = run(make_scheduler, 0, reqs)
+    assert spec == base
 
 
 def test_drafts_under_memory_pressure(make_scheduler):
