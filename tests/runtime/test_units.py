@@ -123,7 +123,9 @@ def test_retraction_takes_the_lowest_priority_first():
 
 def test_admit_respects_budget_room_and_chunks_the_last():
     kv = make_kv(size=64)
-    reqs = [make_req(f"r{i}", list(range(1, 21)), max_new_tokens=4) for i in range(3)]
+    # distinct prompts: one sharing a prefix with the batch would wait a step (next test)
+    reqs = [make_req(f"r{i}", list(range(1 + 20 * i, 21 + 20 * i)), max_new_tokens=4)
+            for i in range(3)]
     adm = policy.admit(reqs, kv, budget=30, max_new_reqs=8, reserve=0)
     assert [r.rid for r in adm.reqs] == ["r0", "r1"] and adm.extend_lens == [20, 10]
     assert adm.chunked is reqs[1]
@@ -139,6 +141,18 @@ def test_admit_keeps_room_for_the_decode_reserve():
 
 
 # ---------------------------------------------------------------------- KVManager
+def test_a_request_sharing_a_chat_template_prefix_with_the_batch_waits_a_step():
+    # a system prompt of IN_BATCH_SHARE_MIN tokens shared by three requests: the first is
+    # admitted, the others wait for it to be cached; one token less is not worth a step
+    shared = "s" * policy.IN_BATCH_SHARE_MIN
+    reqs = [make_req(f"r{i}", ids(shared + f"user {i}"), max_new_tokens=4) for i in range(3)]
+    adm = policy.admit(reqs, make_kv(size=128), budget=100, max_new_reqs=8, reserve=0)
+    assert [r.rid for r in adm.reqs] == ["r0"]
+    short = [make_req(f"q{i}", ids(shared[1:] + f"{i} user"), max_new_tokens=4) for i in range(3)]
+    adm = policy.admit(short, make_kv(size=128), budget=100, max_new_reqs=8, reserve=0)
+    assert [r.rid for r in adm.reqs] == ["q0", "q1", "q2"]
+
+
 def test_kv_manager_lifecycle_returns_to_idle():
     kv = make_kv(size=64)
     idle_free = kv.kv_pool.free_size
