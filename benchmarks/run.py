@@ -38,6 +38,7 @@ Writes benchmarks/results/run-<timestamp>.json, latest.json, latest.md and PNG p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import importlib.util
 import json
@@ -275,7 +276,8 @@ def measure(engines: list, workloads: list[wl.SuiteWorkload], repeats: int) -> d
                 if "error" in row:
                     continue
                 try:
-                    secs, outputs = e.run_suite(w)
+                    with _others_paused(e, engines):
+                        secs, outputs = e.run_suite(w)
                 except Exception as ex:
                     row["error"] = f"{type(ex).__name__}: {ex}"
                     log(f"{w.name}: {e.name} failed: {ex}")
@@ -288,6 +290,44 @@ def measure(engines: list, workloads: list[wl.SuiteWorkload], repeats: int) -> d
                     f"{row['runs'][-1]['output_tokens']} tokens"
                 )
     return results
+
+
+def _pausable(engine) -> list[tuple[str, int]]:
+    """What to stop so that `engine` does nothing while another runs: a peer worker's process
+    group (both of its engines), a plait Engine's child processes (scheduler, detokenizer)."""
+    worker = getattr(engine, "worker", None)
+    if isinstance(worker, PeerWorker):
+        return [("group", worker.proc.pid)]
+    children = getattr(getattr(engine, "engine", None), "_children", None)
+    if children is not None:
+        return [("pid", c.popen.pid) for c in children.procs.values() if hasattr(c, "popen")]
+    return []
+
+
+@contextlib.contextmanager
+def _others_paused(running, engines: list):
+    """Each engine is timed on a quiet machine: the other engines' processes are stopped
+    (SIGSTOP) for the run and continued after. Idle, they still wake up: the two-engine vLLM
+    worker used 0.13 of a core doing nothing, and plait's tree ran 1.08x slower beside it
+    (5.79 s stopped vs 6.27 s running, medians of 4 alternated, SmolLM2 on the AVX2 VM):
+    one of plait's OpenMP workers descheduled for a moment holds up a whole parallel region."""
+    own = set(_pausable(running))
+    targets = {t for e in engines if e is not running for t in _pausable(e)} - own
+    stopped = []
+    try:
+        for kind, pid in targets:
+            try:
+                (os.killpg if kind == "group" else os.kill)(pid, signal.SIGSTOP)
+                stopped.append((kind, pid))
+            except ProcessLookupError:
+                pass
+        yield
+    finally:
+        for kind, pid in stopped:
+            try:
+                (os.killpg if kind == "group" else os.kill)(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def _restart(engine) -> None:
