@@ -200,7 +200,6 @@ def test_past_the_narrow_rows_only_likely_draft_tokens(make_scheduler, monkeypat
     """--speculative-ngram-narrow-rows: up to it any request's draft widens the forward; past
     it only draft tokens with even odds by the request's acceptance (here held fixed)."""
     monkeypatch.setattr(NgramIndex, "record", lambda self, proposed, accepted: None)
-    monkeypatch.setattr(NgramIndex, "acceptance", acceptance, raising=False)
     orig_init = NgramIndex.__init__
 
     def init(self, *a):
