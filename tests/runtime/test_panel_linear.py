@@ -37,13 +37,16 @@ def test_panel_linear_equals_torch_linear(shape):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("width", [32, 24])
 @pytest.mark.parametrize("isa", woq.available_isas())
-def test_every_isa_build_equals_torch_linear(isa):
+def test_every_isa_build_equals_torch_linear(isa, width):
+    """Both panel widths on every build: 24-wide tiles of 1-4 rows (even split: 5 -> 3 + 2,
+    6 -> 3 + 3, 7 -> 4 + 3), their one- and two-tile prefetch paths, a partial last panel."""
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(200, 96, generator=gen)
-    panels = woq.to_panels_fp32(weight)
+    panels = woq.to_panels_fp32(weight, width)
     ops = woq.load_kernels(isa)
-    for rows in (1, 2, 3, 4, 7, 12, 13, 31, 40, 70):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 31, 32, 40, 70):
         x = torch.randn(rows, 96, generator=gen)
         torch.testing.assert_close(ops.fp32_linear(x, panels, 200), x @ weight.t(),
                                    atol=1e-4, rtol=1e-4)
@@ -66,17 +69,36 @@ def test_torch_fallback_before_the_kernels_load(monkeypatch):
 
 def test_panel_layout_round_trip_and_padding():
     weight = torch.randn(45, 8)
-    panels = woq.to_panels_fp32(weight)
+    panels = woq.to_panels_fp32(weight, 32)
     assert panels.shape == (2, 8, 32)
     assert panels[0, 3, 5] == weight[5, 3] and panels[1, 2, 12] == weight[44, 2]
     assert bool((panels[1, :, 13:] == 0).all())  # the padding features
     torch.testing.assert_close(woq.from_panels_fp32(panels, 45), weight, atol=0, rtol=0)
-    assert woq.PanelLinear(weight).weight_bytes == panels.numel() * 4
+    panels = woq.to_panels_fp32(weight, 24)
+    assert panels.shape == (2, 8, 24)
+    assert panels[0, 3, 5] == weight[5, 3] and panels[1, 2, 20] == weight[44, 2]
+    assert bool((panels[1, :, 21:] == 0).all())
+    torch.testing.assert_close(woq.from_panels_fp32(panels, 45), weight, atol=0, rtol=0)
+    m = woq.PanelLinear(weight)
+    assert m.panels.shape[2] == woq.fp32_panel_width()
+    assert m.weight_bytes == m.panels.numel() * 4
+    with pytest.raises(ValueError, match="24"):
+        woq.to_panels_fp32(weight, 16)
 
 
-def test_kernel_rejects_mismatched_shapes():
+def test_panel_width_follows_the_best_build(monkeypatch):
+    monkeypatch.setattr(woq, "available_isas", lambda: ["avx2"])
+    assert woq.fp32_panel_width() == 24
+    monkeypatch.setattr(woq, "available_isas", lambda: ["avx512", "avx2"])
+    assert woq.fp32_panel_width() == 32
+    monkeypatch.setattr(woq, "available_isas", lambda: [])
+    assert woq.fp32_panel_width() == 32
+
+
+@pytest.mark.parametrize("width", [32, 24])
+def test_kernel_rejects_mismatched_shapes(width):
     ops = woq.load_kernels()
-    panels = woq.to_panels_fp32(torch.randn(40, 16))
+    panels = woq.to_panels_fp32(torch.randn(40, 16), width)
     with pytest.raises(RuntimeError, match="features"):
         ops.fp32_linear(torch.randn(3, 17), panels, 40)
     with pytest.raises(RuntimeError, match="panels"):
