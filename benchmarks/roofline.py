@@ -6,7 +6,8 @@
 1. The machine: memory bandwidth from a streaming read of a large tensor (bytes read per
    second: a decode step reads its weights and KV and writes almost nothing; a copy's
    read + write rate is also reported, not used) and the fp32 GEMM peak at the model's own
-   projection shapes, 256 rows, the best of torch.mm and the oneDNN-prepacked linear plait runs.
+   projection shapes, 256 rows, the best of torch.mm, the oneDNN-prepacked linear and plait's
+   own panel kernel (woq.PanelLinear, the linear plait's fp32 path runs).
 2. The bound of one decode step at batch B with C tokens of context each:
      bytes = weights (every layer's projections, the norms, the logits matrix; the embedding
              lookup reads B rows) + KV read (B x C x layers x 2 x kv_heads x head_dim x 4)
@@ -78,10 +79,14 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 
 def gemm_peak(shapes: list[tuple[int, int]], rows: int = 256, repeats: int = 5) -> dict:
-    """fp32 FLOP/s of [rows, k] x [k, n] for each (k, n), through torch.mm and through the
-    oneDNN-prepacked linear plait runs (2-6x faster than torch.mm on the plain weight here);
-    the best of all is the peak."""
+    """fp32 FLOP/s of [rows, k] x [k, n] for each (k, n), through torch.mm, the oneDNN-prepacked
+    linear (2-6x faster than torch.mm on the plain weight here) and plait's panel kernel (what
+    its fp32 linears run; on the AVX2 EPYC 1.3x the 32-wide panels' rate at 256+ rows); the
+    best of all is the peak."""
+    from plait.kernels import woq
     from plait.runtime.cpu_tuning import pack_linear
+
+    panel_kernels = woq.start_linear_kernels(block=True) and woq.linear_ops()
 
     def best_time(fn) -> float:
         fn()
@@ -99,6 +104,9 @@ def gemm_peak(shapes: list[tuple[int, int]], rows: int = 256, repeats: int = 5) 
         t = best_time(lambda a=a, b=b: torch.mm(a, b))
         if packed is not None:
             t = min(t, best_time(lambda a=a, packed=packed: packed(a)))
+        if panel_kernels:
+            panels = woq.to_panels_fp32(b.t())
+            t = min(t, best_time(lambda a=a, p=panels, n=n: panel_kernels.fp32_linear(a, p, n)))
         out[f"{rows}x{k}x{n}"] = 2 * rows * k * n / t
     return out
 
