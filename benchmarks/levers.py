@@ -42,10 +42,12 @@ def parse_variant(text: str) -> dict:
         elif v.lower() in ("0", "false", "no"):
             v = False
         else:
-            try:
-                v = int(v)
-            except ValueError:
-                pass
+            for number in (int, float):
+                try:
+                    v = number(v)
+                    break
+                except ValueError:
+                    pass
         out[key.strip()] = v
     return out
 
