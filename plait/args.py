@@ -212,7 +212,13 @@ class ServerArgs:
     )
     quantize_lm_head: bool = _opt(
         False, "with --quantization: also quantize the logits GEMM (the output embedding; a "
-        "tied input embedding keeps its fp32 copy for the lookup)",
+        "tied input embedding keeps its fp32 copy for the lookup) with the layers' method",
+    )
+    lm_head_quantization: str = _opt(
+        "none", "with --quantization: the logits GEMM's own method (int8 beside int4 layers: "
+        "a GGUF's output embedding is usually Q8_0 or Q6_K, which int4 would round off); "
+        "none: fp32, or the layers' method with --quantize-lm-head",
+        _choices(QUANTIZATION_METHODS, "none"),
     )
     disable_cpu_extend_kernel: bool = _opt(
         False, "on CPU, run prefill (extend) attention as torch's per-request gather + fused "
@@ -285,6 +291,14 @@ class ServerArgs:
             raise ValueError("quantization: not supported with tensor parallelism (--tp > 1)")
         if self.quantize_lm_head and self.quantization == "none":
             raise ValueError("quantize_lm_head: needs --quantization int8 or int4")
+        if self.lm_head_quantization != "none":
+            if self.quantization == "none":
+                raise ValueError("lm_head_quantization: needs --quantization int8 or int4")
+            if self.quantize_lm_head and self.lm_head_quantization != self.quantization:
+                raise ValueError(
+                    "lm_head_quantization: --quantize-lm-head means the layers' method "
+                    f"({self.quantization}); give one of the two"
+                )
         if self.dp_size > 1 and not 0 < self.port <= 65535 - self.dp_size:
             raise ValueError(f"dp_size: ports {self.port}+1..+{self.dp_size} are out of range")
 

@@ -234,6 +234,12 @@ class _PanelLinear(nn.Module):
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def kernel_call(self) -> tuple | None:
+        """(fn, operands): fn(x, *operands) is this linear without bias for a contiguous
+        float32 x [M, in] (the model's lean layer loop calls it directly); None while no kernel
+        runs it."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._linear(x.reshape(-1, self.in_features).float().contiguous())
         if self.bias is not None:
@@ -255,6 +261,10 @@ class PanelLinear(_PanelLinear):
 
     def dequantized(self) -> torch.Tensor:
         return from_panels_fp32(self.panels, self.out_features)
+
+    def kernel_call(self) -> tuple | None:
+        ops = _linear_ops
+        return None if ops is None else (ops.fp32_linear, (self.panels, self.out_features))
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         ops = _linear_ops
@@ -289,6 +299,9 @@ class Int8Linear(_QuantizedLinear):
     def dequantized(self) -> torch.Tensor:
         return dequantize_int8(*from_panels_int8(self.qweight, self.scale, self.out_features))
 
+    def kernel_call(self) -> tuple:
+        return self._ops.int8_linear, (self.qweight, self.scale, self.out_features)
+
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.int8_linear(x, self.qweight, self.scale, self.out_features)
 
@@ -305,6 +318,9 @@ class Int4Linear(_QuantizedLinear):
     def dequantized(self) -> torch.Tensor:
         q4_1 = from_panels_int4(self.qweight, self.scale, self.mins, self.out_features)
         return dequantize_int4(*q4_1)
+
+    def kernel_call(self) -> tuple:
+        return self._ops.int4_linear, (self.qweight, self.scale, self.mins, self.out_features)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.int4_linear(x, self.qweight, self.scale, self.mins, self.out_features)

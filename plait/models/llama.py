@@ -269,29 +269,28 @@ class LlamaForCausalLM(nn.Module):
     use_lean_loop = True  # False: the module path (benchmarks A/B the two)
 
     def _lean_layers(self, kv_pool: KVPool) -> list[tuple] | None:
-        """Each layer's raw operands for _forward_lean, when every linear is an fp32
-        PanelLinear without bias on loaded kernels and the attention takes stored K/V; else None.
-        Built once per pool (the modules do not change after the runner prepacks them)."""
+        """Each layer's raw operands for _forward_lean, when every linear is a panel linear
+        (fp32 PanelLinear, or int8/int4 quantized) without bias on loaded kernels and the
+        attention takes stored K/V; else None. Built once per pool (the modules do not change
+        after the runner prepacks or quantizes them)."""
         if self._lean is not None and self._lean[0] == id(kv_pool):
             return self._lean[1]
         layers = list(self.model.layers)
-        if (
-            woq.linear_ops() is None
-            or self.cfg.qk_norm
-            or not hasattr(layers[0].self_attn.attn, "layer_attention")
-        ):
+        if self.cfg.qk_norm or not hasattr(layers[0].self_attn.attn, "layer_attention"):
             return None
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         out = []
         for i, (layer, next_norm) in enumerate(zip(layers, norms)):
             attn, mlp = layer.self_attn, layer.mlp
             lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(type(m) is not woq.PanelLinear or m.bias is not None for m in lins):
+            if any(not isinstance(m, woq._PanelLinear) or m.bias is not None for m in lins):
+                return None
+            calls = [m.kernel_call() for m in lins]
+            if any(c is None for c in calls):  # fp32 kernels still loading
                 return None
             post = layer.post_attention_layernorm
             out.append((
-                i, attn.num_heads, attn.num_kv_heads,
-                *((m.panels, m.out_features) for m in lins),
+                i, attn.num_heads, attn.num_kv_heads, *calls,
                 post.weight, post.eps, next_norm.weight, next_norm.eps,
             ))
         self._lean = (id(kv_pool), out)
@@ -302,20 +301,19 @@ class LlamaForCausalLM(nn.Module):
         """_forward_fused's layers with no module calls: the C++ kernels called in a row on
         operands gathered once (_lean_layers), attention through the backend's per-forward
         layer_attention. The same kernels on the same inputs as the module path, so the same
-        results; ~100 us a step less Python per layer (SmolLM2's 30 layers: ~1 ms of a 15 ms
-        batch-1 step)."""
-        linear = woq.linear_ops().fp32_linear
+        results; ~100 us a step less Python per layer (SmolLM2's 30 layers on the AVX2 VM: 3.2
+        ms of a 25 ms fp32 batch-1 step, A/B in one process). Each linear is (fn, operands):
+        its panel kernel (fp32, int8 or int4) and weights (woq._PanelLinear.kernel_call)."""
         cos, sin = rope
         loc = meta.out_cache_loc
         kb, vb = kv_pool.k_buffer, kv_pool.v_buffer
         attend = self.model.layers[0].self_attn.attn.layer_attention(kv_pool, meta)
-        for (i, heads, kv_heads, (qkv_w, qkv_n), (o_w, o_n), (gu_w, gu_n), (d_w, d_n),
+        for (i, heads, kv_heads, (qkv, qkv_w), (o, o_w), (gu, gu_w), (down, d_w),
              post_w, post_eps, next_w, next_eps) in lean:
-            q = ops.rope_store_kv(linear(h, qkv_w, qkv_n), cos, sin, kb[i], vb[i], loc, heads,
-                                  kv_heads)
-            a = linear(attend(q, i), o_w, o_n)
+            q = ops.rope_store_kv(qkv(h, *qkv_w), cos, sin, kb[i], vb[i], loc, heads, kv_heads)
+            a = o(attend(q, i), *o_w)
             h = ops.add_rms_norm_(x, a, post_w, post_eps)
-            m = linear(ops.silu_mul(linear(h, gu_w, gu_n)), d_w, d_n)
+            m = down(ops.silu_mul(gu(h, *gu_w)), *d_w)
             h = ops.add_rms_norm_(x, m, next_w, next_eps)
         return h
 

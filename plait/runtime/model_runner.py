@@ -178,12 +178,15 @@ class ModelRunner:
             )
         linear_cls = QUANTIZATION_METHODS.load(args.quantization)
         replaced = quantize_linears(self.model.model, linear_cls)
-        if args.quantize_lm_head:
+        head = args.lm_head_quantization
+        if head == "none" and args.quantize_lm_head:
+            head = args.quantization
+        if head != "none":
             with torch.inference_mode():
-                self.model.packed_lm_head = linear_cls(self.model.lm_head_weight)
+                self.model.packed_lm_head = QUANTIZATION_METHODS.load(head)(self.model.lm_head_weight)
         logger.info(
             "quantization %s: %d decoder linears%s", args.quantization, replaced,
-            " and the logits GEMM" if args.quantize_lm_head else "",
+            f", the logits GEMM {head}" if head != "none" else "",
         )
 
     def _kv_bytes_per_token(self) -> int:

@@ -104,12 +104,16 @@ def test_fused_layers_match_transformers(tiny_llama, calls):
         assert out[f"r{i}"] == ids, f"prompt {i}: tokens differ"
 
 
-@pytest.mark.parametrize("name, lean", [("tiny-llama", True), ("tiny-qwen2", False)])
-def test_lean_layer_loop_gives_the_module_paths_logits(checkpoint, ops, monkeypatch, name, lean):
+@pytest.mark.parametrize("name, lean, quantization", [
+    ("tiny-llama", True, "none"), ("tiny-qwen2", False, "none"),
+    ("tiny-llama", True, "int8"), ("tiny-llama", True, "int4"),
+])
+def test_lean_layer_loop_gives_the_module_paths_logits(checkpoint, ops, monkeypatch, name, lean,
+                                                       quantization):
     """LlamaForCausalLM._forward_lean (the kernels called in a row, no module calls) against
     the module path, bit for bit, over chunked extends, shared-prefix decodes (attention through
-    the backend's forward) and plain decodes (straight to attn_cpu.cpp). Not taken where a
-    linear has a bias (Qwen2's qkv)."""
+    the backend's forward) and plain decodes (straight to attn_cpu.cpp); fp32 panel linears and
+    weight-only quantized ones. Not taken where a linear has a bias (Qwen2's qkv)."""
     from plait.kernels import woq
     from plait.kernels.cpu_attention import start_decode_kernel
     from plait.kernels.cpu_extend import start_extend_kernel
@@ -129,7 +133,8 @@ def test_lean_layer_loop_gives_the_module_paths_logits(checkpoint, ops, monkeypa
     path = checkpoint(name)
     shared = make_prompts(8, 8192, seed=5)  # cache hits: shared prefixes in the decode batch
     distinct = [[(97 * i + 31 * j) % 8000 + 100 for j in range(40 + i)] for i in range(5)]
-    args = dict(max_total_tokens=4096, chunked_prefill_size=64, num_threads=2)
+    args = dict(max_total_tokens=4096, chunked_prefill_size=64, num_threads=2,
+                quantization=quantization)
     for prompts in (shared, distinct):
         lean_out, lean_logits = run(path, prompts, 10, **args)
         modes = set(ran)

@@ -72,6 +72,10 @@ def test_int4_needs_whole_groups():
         (dict(quantization="INT8"), "quantization"),
         (dict(quantization="int8", tp_size=2), "quantization"),
         (dict(quantize_lm_head=True), "quantize_lm_head"),
+        (dict(lm_head_quantization="int8"), "lm_head_quantization"),
+        (dict(quantization="int4", lm_head_quantization="fp8"), "lm_head_quantization"),
+        (dict(quantization="int4", quantize_lm_head=True, lm_head_quantization="int8"),
+         "lm_head_quantization"),
     ],
 )
 def test_bad_quantization_arguments(kwargs, field):
@@ -80,16 +84,22 @@ def test_bad_quantization_arguments(kwargs, field):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("lm_head", [False, True])
+@pytest.mark.parametrize("lm_head", [False, True, "int8-beside-int4"])
 def test_runner_quantizes_layers_and_optionally_the_tied_lm_head(checkpoint, lm_head):
     from plait.runtime.model_runner import ModelRunner
 
     path = checkpoint("plait-tiny")  # tied embeddings
-    args = ServerArgs(model_path=path, max_total_tokens=256, quantization="int8",
-                      quantize_lm_head=lm_head)
+    if lm_head == "int8-beside-int4":  # --lm-head-quantization: the logits' own method
+        args = ServerArgs(model_path=path, max_total_tokens=256, quantization="int4",
+                          lm_head_quantization="int8")
+        layer_cls = woq.Int4Linear
+    else:
+        args = ServerArgs(model_path=path, max_total_tokens=256, quantization="int8",
+                          quantize_lm_head=lm_head)
+        layer_cls = woq.Int8Linear
     runner = ModelRunner(args, path)
     model = runner.model
-    quantized = [n for n, m in model.model.named_modules() if isinstance(m, woq.Int8Linear)]
+    quantized = [n for n, m in model.model.named_modules() if isinstance(m, layer_cls)]
     assert len(quantized) == 4 * runner.config.num_hidden_layers
     assert not any(type(m) is torch.nn.Linear for m in model.model.modules())
     embed = model.model.embed_tokens.weight  # the input lookup keeps fp32
