@@ -150,9 +150,17 @@ struct Int4Weights {
       w1 = vfma(w1, s1, m1);
     }
   };
+  static constexpr int64_t kAhead = 4096;  // bytes of the weight stream prefetched ahead
   inline Group group(int64_t k0, int h) const {
     const uint16_t* s = scale + (k0 / kGroup) * kPanel + h * W;
     const uint16_t* mn = mins + (k0 / kGroup) * kPanel + h * W;
+    if (h == 0) {  // the first half's pass streams the panel (its 8 lines a group), and
+                   // the scales and mins 8 groups on
+      const char* ahead = reinterpret_cast<const char*>(w + k0 * 16) + kAhead;
+      for (int64_t b = 0; b < kGroup * 16; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(s + 8 * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(mn + 8 * kPanel), _MM_HINT_T0);
+    }
     return {w + k0 * 16 + h * W, vload_half(s), vload_half(s + 16), vload_half(mn),
             vload_half(mn + 16)};
   }
@@ -162,12 +170,17 @@ struct Int8Weights {  // q as floats; the per-feature scale is applied at the st
   const int8_t* w;  // [K, 32] of this panel
   struct Group {
     const int8_t* w;
+    const int8_t* pf;  // the first half's pass streams the panel: prefetch kInt8Ahead on
     inline void pair(int64_t k, vf& w0, vf& w1) const {
+      if (pf && !(k & 1)) _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel), _MM_HINT_T0);
       w0 = q8(w + k * kPanel);
       w1 = q8(w + k * kPanel + 16);
     }
   };
-  inline Group group(int64_t k0, int h) const { return {w + k0 * kPanel + h * W}; }
+  static constexpr int64_t kInt8Ahead = 4096;  // bytes
+  inline Group group(int64_t k0, int h) const {
+    return {w + k0 * kPanel + h * W, h == 0 ? w + k0 * kPanel + kInt8Ahead : nullptr};
+  }
 };
 
 struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 weights
@@ -247,8 +260,6 @@ void tile(const float* x, int64_t ldx, int64_t K, const Weights& wt, int h, cons
 // 120 layer linears at one row, old vs new build alternated in one process on the AVX2 EPYC:
 // 1.11-1.13x (two rows even, so three rows keep the old tiles). Rounds differently from
 // dequantizing first (a float sum in another order), within fp32 accuracy of the reference.
-constexpr int64_t kInt4Ahead = 4096;  // bytes of the int4 weight stream prefetched ahead
-
 template <int MR, int SPLIT>
 void tile_int4_folded(const float* x, int64_t ldx, int64_t K, const Int4Weights& wt, int h,
                       const Dest& d, int64_t m0) {
@@ -263,8 +274,8 @@ void tile_int4_folded(const float* x, int64_t ldx, int64_t K, const Int4Weights&
 #pragma GCC unroll 4
       for (int m = 0; m < MR; m++) aq[s][m][0] = aq[s][m][1] = vzero();
     const float* xk = x + m0 * ldx + k0;
-    if (h == 0) {  // the first pass streams the panel: prefetch kInt4Ahead bytes on
-      const char* ahead = reinterpret_cast<const char*>(wt.w + k0 * 16) + kInt4Ahead;
+    if (h == 0) {  // the first pass streams the panel: prefetch kAhead bytes on
+      const char* ahead = reinterpret_cast<const char*>(wt.w + k0 * 16) + Int4Weights::kAhead;
       for (int64_t b = 0; b < kGroup * 16; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(wt.scale + (k0 / kGroup + 8) * kPanel), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(wt.mins + (k0 / kGroup + 8) * kPanel), _MM_HINT_T0);
