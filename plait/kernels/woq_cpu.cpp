@@ -151,16 +151,18 @@ struct Int4Weights {
     }
   };
   static constexpr int64_t kAhead = 4096;  // bytes of the weight stream prefetched ahead
+  // called by the first half's pass, which streams the panel: the group kAhead bytes on (its
+  // 8 lines) and the scales and mins 8 groups on
+  inline void prefetch_ahead(int64_t k0) const {
+    const char* ahead = reinterpret_cast<const char*>(w + k0 * 16) + kAhead;
+    for (int64_t b = 0; b < kGroup * 16; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(scale + (k0 / kGroup + 8) * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mins + (k0 / kGroup + 8) * kPanel), _MM_HINT_T0);
+  }
   inline Group group(int64_t k0, int h) const {
     const uint16_t* s = scale + (k0 / kGroup) * kPanel + h * W;
     const uint16_t* mn = mins + (k0 / kGroup) * kPanel + h * W;
-    if (h == 0) {  // the first half's pass streams the panel (its 8 lines a group), and
-                   // the scales and mins 8 groups on
-      const char* ahead = reinterpret_cast<const char*>(w + k0 * 16) + kAhead;
-      for (int64_t b = 0; b < kGroup * 16; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(s + 8 * kPanel), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(mn + 8 * kPanel), _MM_HINT_T0);
-    }
+    if (h == 0) prefetch_ahead(k0);
     return {w + k0 * 16 + h * W, vload_half(s), vload_half(s + 16), vload_half(mn),
             vload_half(mn + 16)};
   }
@@ -274,12 +276,7 @@ void tile_int4_folded(const float* x, int64_t ldx, int64_t K, const Int4Weights&
 #pragma GCC unroll 4
       for (int m = 0; m < MR; m++) aq[s][m][0] = aq[s][m][1] = vzero();
     const float* xk = x + m0 * ldx + k0;
-    if (h == 0) {  // the first pass streams the panel: prefetch kAhead bytes on
-      const char* ahead = reinterpret_cast<const char*>(wt.w + k0 * 16) + Int4Weights::kAhead;
-      for (int64_t b = 0; b < kGroup * 16; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wt.scale + (k0 / kGroup + 8) * kPanel), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wt.mins + (k0 / kGroup + 8) * kPanel), _MM_HINT_T0);
-    }
+    if (h == 0) wt.prefetch_ahead(k0);
     for (int64_t k = 0; k < kGroup; k += SPLIT) {
 #pragma GCC unroll 2
       for (int s = 0; s < SPLIT; s++) {
@@ -327,49 +324,60 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, int64_t K, const Weigh
   }
 }
 
-// AVX2 only (a panel is two vector-pair halves there), fp32, one or two rows: the whole panel
-// in one pass, four weight vectors per input, so each of the panel's cache lines is read once
-// from the prefetched stream (the half-by-half tiles read every line twice, the second time
-// from L2). SmolLM2's batch-1 linears: 21.9 -> 18.7 ms on the AVX2 EPYC.
-template <int MR, int SPLIT>
-void tile_whole_panel(const float* x, int64_t ldx, int64_t K, const Fp32Weights& wt,
-                      const Dest& d, int64_t m0) {
-  vf acc[SPLIT][MR][4];
+// MR rows x one whole fp32 panel of NV 8-float vectors per input (the panel NV * 8 features
+// wide), 8-float vectors in either build. Used where every input's NV vectors fit the registers
+// beside MR x NV accumulators: the 32-wide panels' one- or two-row tiles on AVX2 (NV 4; the
+// half-by-half tiles read every line of the panel twice, the second time from L2: SmolLM2's
+// batch-1 linears 21.9 -> 18.7 ms on the AVX2 EPYC) and every tile of the 24-wide panels (NV 3,
+// below). SPLIT accumulator sets over alternate inputs keep enough chains in flight for one or
+// two rows. pf: prefetch `pf + k * pf_step` (and `+ 16` when pf_two) while reading input k.
+template <int MR, int SPLIT, int NV>
+void tile_whole_panel(const float* x, int64_t ldx, int64_t K, const float* w, const Dest& d,
+                      int64_t m0, const float* pf, int64_t pf_step, bool pf_two) {
+  constexpr int64_t PW = NV * 8;
+  __m256 acc[SPLIT][MR][NV];
 #pragma GCC unroll 2
   for (int s = 0; s < SPLIT; s++)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int m = 0; m < MR; m++)
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; j++) acc[s][m][j] = vzero();
+      for (int j = 0; j < NV; j++) acc[s][m][j] = _mm256_setzero_ps();
   const float* xm = x + m0 * ldx;
   for (int64_t k = 0; k < K; k += SPLIT) {
 #pragma GCC unroll 2
     for (int s = 0; s < SPLIT; s++) {
       if (k + s >= K) break;  // SPLIT 2, odd K
-      const float* wk = wt.w + (k + s) * kPanel;
-      // the same prefetches as Fp32Weights::Group::pair: `lines` lines per input
-      if (wt.lines > 0) _mm_prefetch((const char*)(wt.pf + (k + s) * 16 * wt.lines), _MM_HINT_T0);
-      if (wt.lines > 1) _mm_prefetch((const char*)(wt.pf + (k + s) * 32 + 16), _MM_HINT_T0);
-      const vf w0 = vload(wk), w1 = vload(wk + W), w2 = vload(wk + 2 * W), w3 = vload(wk + 3 * W);
-#pragma GCC unroll 2
+      if (pf) {
+        _mm_prefetch((const char*)(pf + (k + s) * pf_step), _MM_HINT_T0);
+        if (pf_two) _mm_prefetch((const char*)(pf + (k + s) * pf_step + 16), _MM_HINT_T0);
+      }
+      const float* wk = w + (k + s) * PW;
+      __m256 wv[NV];
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; j++) wv[j] = _mm256_loadu_ps(wk + j * 8);
+#pragma GCC unroll 4
       for (int m = 0; m < MR; m++) {
-        const vf xb = vbcast(xm + m * ldx + k + s);
-        acc[s][m][0] = vfma(w0, xb, acc[s][m][0]);
-        acc[s][m][1] = vfma(w1, xb, acc[s][m][1]);
-        acc[s][m][2] = vfma(w2, xb, acc[s][m][2]);
-        acc[s][m][3] = vfma(w3, xb, acc[s][m][3]);
+        const __m256 xb = _mm256_broadcast_ss(xm + m * ldx + k + s);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) acc[s][m][j] = _mm256_fmadd_ps(wv[j], xb, acc[s][m][j]);
       }
     }
   }
-#pragma GCC unroll 2
+#pragma GCC unroll 4
   for (int m = 0; m < MR; m++) {
     float* row = d.out + (m0 + m) * d.ldo;
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-      vf a = acc[0][m][j];
-#pragma GCC unroll 2
-      for (int s = 1; s < SPLIT; s++) a = vadd(a, acc[s][m][j]);
-      store_vec(d, row, j * W, a);
+    for (int j = 0; j < NV; j++) {
+      __m256 a = acc[0][m][j];
+      if constexpr (SPLIT == 2) a = _mm256_add_ps(a, acc[1][m][j]);
+      float* p = row + j * 8;
+      if (d.cols >= j * 8 + 8) {
+        _mm256_storeu_ps(p, a);
+      } else if (d.cols > j * 8) {
+        const __m256i first_n = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32((int)(d.cols - j * 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_maskstore_ps(p, first_n, a);
+      }
     }
   }
 }
@@ -422,8 +430,11 @@ void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Des
     }
     if constexpr (kHalves == 2) {  // AVX2: one or two rows take the whole panel in one pass
       if (rows <= 2) {
-        if (rows == 1) tile_whole_panel<1, 2>(x, K, K, w, d, m);
-        else tile_whole_panel<2, 1>(x, K, K, w, d, m);
+        // the same prefetches as Fp32Weights::Group::pair: `lines` lines per input
+        const int64_t step = w.lines > 1 ? 32 : 16;
+        const float* pf = w.lines > 0 ? w.pf : nullptr;
+        if (rows == 1) tile_whole_panel<1, 2, 4>(x, K, K, w.w, d, m, pf, step, w.lines > 1);
+        else tile_whole_panel<2, 1, 4>(x, K, K, w.w, d, m, pf, step, w.lines > 1);
         continue;
       }
     }
@@ -463,65 +474,14 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
 // ----------------------------------------------------------------------------- fp32, 24 wide
 // fp32 weights in panels of 24 output features, w[p, k, j] = W[24 p + j, k] (woq.py's
 // to_panels_fp32 writes them on AVX2-only CPUs), run with 8-float vectors in either build.
-// A tile of up to 4 rows x the whole panel keeps 4 x 3 accumulators, the panel's 3 weight
-// vectors and one broadcast in the 16 ymm registers; each input k reads the panel's 96 bytes
-// once per tile (the 32-wide panels' AVX2 tiles read a panel half per pass: every cache line
-// twice) and each weight vector feeds 4 FMAs. At SmolLM2's batch-32 shapes on the AVX2 EPYC
-// (weights streaming from memory, 2 threads) a harness measured 4 x 24 tiles 1.2-1.4x faster
-// than the 32-wide panels' 6 x 16 halves.
+// A tile (tile_whole_panel) of up to 4 rows x the whole panel keeps 4 x 3 accumulators, the
+// panel's 3 weight vectors and one broadcast in the 16 ymm registers; each input k reads the
+// panel's 96 bytes once per tile (the 32-wide panels' AVX2 tiles read a panel half per pass:
+// every cache line twice) and each weight vector feeds 4 FMAs. At SmolLM2's batch-32 shapes
+// on the AVX2 EPYC (weights streaming from memory, 2 threads) a harness measured 4 x 24 tiles
+// 1.2-1.4x faster than the 32-wide panels' 6 x 16 halves.
 constexpr int64_t kPanel24 = 24;
 constexpr int64_t kRows24 = 4;  // rows per tile
-
-// MR rows x one 24-wide panel. SPLIT accumulator sets over alternate inputs keep >= 6 chains
-// in flight for one or two rows. pf: prefetch `pf + k * pf_step` (and `+ 16` when pf_two)
-// while reading input k.
-template <int MR, int SPLIT>
-void tile24(const float* x, int64_t ldx, int64_t K, const float* w, const Dest& d, int64_t m0,
-            const float* pf, int64_t pf_step, bool pf_two) {
-  __m256 acc[SPLIT][MR][3];
-#pragma GCC unroll 2
-  for (int s = 0; s < SPLIT; s++)
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; m++) acc[s][m][0] = acc[s][m][1] = acc[s][m][2] = _mm256_setzero_ps();
-  const float* xm = x + m0 * ldx;
-  for (int64_t k = 0; k < K; k += SPLIT) {
-#pragma GCC unroll 2
-    for (int s = 0; s < SPLIT; s++) {
-      if (k + s >= K) break;  // SPLIT 2, odd K
-      if (pf) {
-        _mm_prefetch((const char*)(pf + (k + s) * pf_step), _MM_HINT_T0);
-        if (pf_two) _mm_prefetch((const char*)(pf + (k + s) * pf_step + 16), _MM_HINT_T0);
-      }
-      const float* wk = w + (k + s) * kPanel24;
-      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8),
-                   w2 = _mm256_loadu_ps(wk + 16);
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; m++) {
-        const __m256 xb = _mm256_broadcast_ss(xm + m * ldx + k + s);
-        acc[s][m][0] = _mm256_fmadd_ps(w0, xb, acc[s][m][0]);
-        acc[s][m][1] = _mm256_fmadd_ps(w1, xb, acc[s][m][1]);
-        acc[s][m][2] = _mm256_fmadd_ps(w2, xb, acc[s][m][2]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; m++) {
-    float* row = d.out + (m0 + m) * d.ldo;
-#pragma GCC unroll 3
-    for (int j = 0; j < 3; j++) {
-      __m256 a = acc[0][m][j];
-      if constexpr (SPLIT == 2) a = _mm256_add_ps(a, acc[1][m][j]);
-      float* p = row + j * 8;
-      if (d.cols >= j * 8 + 8) {
-        _mm256_storeu_ps(p, a);
-      } else if (d.cols > j * 8) {
-        const __m256i first_n = _mm256_cmpgt_epi32(
-            _mm256_set1_epi32((int)(d.cols - j * 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        _mm256_maskstore_ps(p, first_n, a);
-      }
-    }
-  }
-}
 
 // One 24-wide panel x rows [r0, r1), in even tiles of <= 4 rows. The weight stream is
 // prefetched as in panel_rows_fp32: a single tile reads ahead in its own stream (96 bytes per
@@ -542,10 +502,10 @@ void panel_rows_fp32_24(const float* x, int64_t K, const float* w, const Dest& d
       pf = next + t * K * (kPanel24 / 2), step = kPanel24 / 2;
     }
     switch (rows) {
-      case 1: tile24<1, 2>(x, K, K, w, d, m, pf, step, two); break;
-      case 2: tile24<2, 2>(x, K, K, w, d, m, pf, step, two); break;
-      case 3: tile24<3, 1>(x, K, K, w, d, m, pf, step, two); break;
-      default: tile24<4, 1>(x, K, K, w, d, m, pf, step, two); break;
+      case 1: tile_whole_panel<1, 2, 3>(x, K, K, w, d, m, pf, step, two); break;
+      case 2: tile_whole_panel<2, 2, 3>(x, K, K, w, d, m, pf, step, two); break;
+      case 3: tile_whole_panel<3, 1, 3>(x, K, K, w, d, m, pf, step, two); break;
+      default: tile_whole_panel<4, 1, 3>(x, K, K, w, d, m, pf, step, two); break;
     }
   }
 }
