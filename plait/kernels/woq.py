@@ -192,13 +192,19 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tenso
     return (q * scale.float()[..., None] + mins.float()[..., None]).reshape(n, half * 2)
 
 
-def to_panels_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor):
+def to_panels_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+                   quads: bool = False):
     """Q4_1 layout -> the kernels': (nibbles uint8 [P, K, 16], scale, min [P, K/32, 32]),
     byte j of input k holding feature j (low nibble) and j + 16 (high) of the panel; the
-    features zero-padded to P * 32 (padding dequantizes to 0)."""
+    features zero-padded to P * 32 (padding dequantizes to 0). `quads` (the AVX2 build's
+    layout, int4_layout_quads): the same bytes with each run of 4 inputs transposed, [P, K/4,
+    64], byte 4 j + i of run r holding input 4 r + i of features j and j + 16, so that its
+    integer dot products read a feature's 4 inputs as one 32-bit lane."""
     k = packed.shape[1] * 2
     q = _pad_rows(unpack_int4(packed), PANEL).reshape(-1, PANEL, k).transpose(1, 2)  # [P, K, 32]
     nibbles = q[..., :16] | (q[..., 16:] << 4)
+    if quads:
+        nibbles = nibbles.reshape(-1, k // 4, 4, 16).transpose(2, 3).reshape(-1, k // 4, 64)
 
     def per_group(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [P, G, 32]
         return _pad_rows(t, PANEL).reshape(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()
@@ -207,7 +213,11 @@ def to_panels_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor
 
 
 def from_panels_int4(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, n: int):
-    """The inverse of to_panels_int4: Q4_1 layout (packed [N, K/2], scale, min [N, K/32])."""
+    """The inverse of to_panels_int4 (either layout): Q4_1 layout (packed [N, K/2], scale,
+    min [N, K/32])."""
+    if nibbles.shape[2] == 64:  # runs of 4 inputs transposed
+        nibbles = nibbles.reshape(nibbles.shape[0], -1, 16, 4).transpose(2, 3)
+        nibbles = nibbles.reshape(nibbles.shape[0], -1, 16)
     k = nibbles.shape[1]
     q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)  # [P, K, 32]
     q = q.transpose(1, 2).reshape(-1, k // GROUP, GROUP)[:n]  # [N, G, 32]
@@ -217,6 +227,29 @@ def from_panels_int4(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Ten
         return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
 
     return packed, per_row(scale), per_row(mins)
+
+
+def int4_layout_quads(isa: str) -> bool:
+    """Whether a kernel build takes int4 panels with runs of 4 inputs transposed (AVX2: its
+    one- and two-row tiles are int8 dot products, tile_int4_q8) or plain [P, K, 16]."""
+    return isa == "avx2"
+
+
+def int4_rows_quantize_inputs(isa: str, rows: int) -> bool:
+    """Whether int4_linear rounds the inputs to int8 (per group of 32) for `rows` rows: the
+    AVX2 build's one- and two-row tiles (tile_int4_q8, as llama.cpp's Q4_1 x Q8 dot products);
+    else its float paths, the dequantized weights' result to float rounding."""
+    return isa == "avx2" and 1 <= rows <= 2
+
+
+def quantize_inputs_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What int4_linear's integer tiles see of x [M, K]: per group of 32 inputs, dx = max |x| /
+    127 and q = round(x / dx): (q * dx as float [M, K], dx [M, K/32]); their reference."""
+    g = x.float().reshape(x.shape[0], -1, GROUP)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    dx = amax / 127.0
+    return (torch.round(g * inv) * dx).reshape(x.shape), dx.squeeze(-1)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -310,8 +343,9 @@ class Int4Linear(_QuantizedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  isa: str | None = None) -> None:
         super().__init__(weight, bias, isa)
-        nibbles, scale, mins = to_panels_int4(*quantize_int4(weight))
-        self.register_buffer("qweight", nibbles, persistent=False)  # [P, K, 16]
+        nibbles, scale, mins = to_panels_int4(*quantize_int4(weight),
+                                              quads=int4_layout_quads(self.isa))
+        self.register_buffer("qweight", nibbles, persistent=False)  # [P, K, 16] or [P, K/4, 64]
         self.register_buffer("scale", scale, persistent=False)  # [P, K/32, 32]
         self.register_buffer("mins", mins, persistent=False)
 

@@ -9,6 +9,9 @@
 //   int8: w[p, k, j]  = q[32 p + j, k]                       int8  [P, K, 32]
 //         scale[32 p + j]                                    float [P * 32]
 //   int4: w[p, k, j]  = q[32 p + j, k] | q[32 p + j + 16, k] << 4   (j < 16)  uint8 [P, K, 16]
+//         (the AVX2 build: the same bytes, each run of 4 inputs transposed so that a
+//         feature's 4 inputs are adjacent, w[p, k/4, 4 j + k%4]            uint8 [P, K/4, 64];
+//         see tile_int4_q8)
 //         scale[p, g, j], mins[p, g, j] for features 32 p + j, inputs 32 g .. 32 g + 31
 //         W[n, k] = q * scale + min (GGUF Q4_1's form)          float16 [P, K / 32, 32]
 // so the 32 features of one input k are one 16- or 32-byte load, expanded in registers into
@@ -34,6 +37,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -137,10 +142,20 @@ inline void store_pair(const Dest& d, int64_t m, int h, vf a0, vf a1) {
 // Weight sources, read one group of kGroup inputs at a time (int4's scale and min are
 // per group: kept in registers across it): group(k0, h).pair(k) gives the vector pair
 // (features h*W.., 16+h*W..) of input k0 + k as floats.
+// int4 activations for tile_int4_q8 (AVX2): each row's inputs rounded to int8 per group of
+// kGroup (q = round(x / dx), dx = max |x| / 127) and each group's float sum (the min's term).
+struct Int4Act {
+  const int8_t* q;  // [M, K]
+  const float* dx;  // [M, K / kGroup]
+  const float* xs;  // [M, K / kGroup]
+};
+
 struct Int4Weights {
-  const uint8_t* w;  // [K, 16] of this panel
+  const uint8_t* w;  // [K, 16] of this panel (AVX2: [K / 4, 64])
   const uint16_t* scale;  // float16 [G, 32]
   const uint16_t* mins;
+  const Int4Act* act = nullptr;  // set: one or two rows run tile_int4_q8
+#if defined(__AVX512F__)  // (AVX2: dequantize_panel_int4 and tile_int4_q8 read the panels)
   struct Group {
     const uint8_t* w;
     vf s0, s1, m0, m1;
@@ -150,6 +165,7 @@ struct Int4Weights {
       w1 = vfma(w1, s1, m1);
     }
   };
+#endif
   static constexpr int64_t kAhead = 4096;  // bytes of the weight stream prefetched ahead
   // called by the first half's pass, which streams the panel: the group kAhead bytes on (its
   // 8 lines) and the scales and mins 8 groups on
@@ -159,6 +175,7 @@ struct Int4Weights {
     _mm_prefetch(reinterpret_cast<const char*>(scale + (k0 / kGroup + 8) * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(mins + (k0 / kGroup + 8) * kPanel), _MM_HINT_T0);
   }
+#if defined(__AVX512F__)
   inline Group group(int64_t k0, int h) const {
     const uint16_t* s = scale + (k0 / kGroup) * kPanel + h * W;
     const uint16_t* mn = mins + (k0 / kGroup) * kPanel + h * W;
@@ -166,6 +183,7 @@ struct Int4Weights {
     return {w + k0 * 16 + h * W, vload_half(s), vload_half(s + 16), vload_half(mn),
             vload_half(mn + 16)};
   }
+#endif
 };
 
 struct Int8Weights {  // q as floats; the per-feature scale is applied at the store
@@ -253,6 +271,7 @@ void tile(const float* x, int64_t ldx, int64_t K, const Weights& wt, int h, cons
   }
 }
 
+#if defined(__AVX512F__)
 // int4, one or two rows without a scratch to write (batch-1 and 2-row decode): the scale and
 // min folded out of the inner loop. W[n, k] = q s + min over a group of 32 inputs, so
 // sum_k x_k W[n, k] = s * sum_k x_k q + min * sum_k x_k: the inner loop multiplies the raw
@@ -260,7 +279,8 @@ void tile(const float* x, int64_t ldx, int64_t K, const Weights& wt, int h, cons
 // each group ends with two FMAs per accumulator; the first half's pass prefetches the weight
 // stream 4 KB ahead (and the scales and mins 8 groups ahead), as the fp32 path does. SmolLM2's
 // 120 layer linears at one row, old vs new build alternated in one process on the AVX2 EPYC:
-// 1.11-1.13x (two rows even, so three rows keep the old tiles). Rounds differently from
+// 1.11-1.13x (two rows even, so three rows keep the old tiles). AVX-512 builds only: the AVX2
+// build's one- and two-row tiles are integer dot products (tile_int4_q8). Rounds differently from
 // dequantizing first (a float sum in another order), within fp32 accuracy of the reference.
 template <int MR, int SPLIT>
 void tile_int4_folded(const float* x, int64_t ldx, int64_t K, const Int4Weights& wt, int h,
@@ -309,6 +329,151 @@ void tile_int4_folded(const float* x, int64_t ldx, int64_t K, const Int4Weights&
 #pragma GCC unroll 4
   for (int m = 0; m < MR; m++) store_pair(d, m0 + m, h, acc[m][0], acc[m][1]);
 }
+
+#endif
+
+#if !defined(__AVX512F__)
+// int4 x int8, one or two rows (batch-1 and 2-row decode) on AVX2, as llama.cpp's Q4_1 x Q8
+// dot products: per run of 4 inputs, the half's 32 bytes hold 8 features' 4 inputs (low
+// nibbles: features 8h + f, high: 16 + 8h + f); vpmaddubsw multiplies the unsigned codes by
+// the row's 4 int8 inputs (broadcast) and adds pairs, int16 sums collect a group's 8 runs
+// (|sum| <= 8 * 2 * 15 * 127 = 30480: no overflow), vpmaddwd adds the pairs to int32, and a
+// group ends as s * dx * sum q x8 + min * sum x in float. 16 multiply-adds a pair of
+// instructions where the float path (tile_int4_folded) needs a convert and an FMA per 8: it
+// was compute-bound (SmolLM2's batch-1 int4 linears at ~15 GB/s of weights); the cost is
+// rounding each input to int8 per group of 32, as llama.cpp does.
+template <int MR>
+void tile_int4_q8(int64_t K, const Int4Weights& wt, int h, const Dest& d, int64_t m0) {
+  const Int4Act& a = *wt.act;
+  const int64_t G = K / kGroup;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  vf acc[MR][2];
+#pragma GCC unroll 2
+  for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = vzero();
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* wg = wt.w + g * kGroup * 16 + h * 32;
+    if (h == 0) wt.prefetch_ahead(g * kGroup);
+    __m256i s[MR][2];
+#pragma GCC unroll 2
+    for (int m = 0; m < MR; m++) s[m][0] = s[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int r = 0; r < kGroup / 4; r++) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + r * 64));
+      const __m256i lo = _mm256_and_si256(v, nib);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+#pragma GCC unroll 2
+      for (int m = 0; m < MR; m++) {
+        int32_t x4;
+        std::memcpy(&x4, a.q + (m0 + m) * K + g * kGroup + r * 4, 4);
+        const __m256i xq = _mm256_set1_epi32(x4);
+        s[m][0] = _mm256_add_epi16(s[m][0], _mm256_maddubs_epi16(lo, xq));
+        s[m][1] = _mm256_add_epi16(s[m][1], _mm256_maddubs_epi16(hi, xq));
+      }
+    }
+    const uint16_t* sc = wt.scale + g * kPanel + h * W;
+    const uint16_t* mn = wt.mins + g * kPanel + h * W;
+    const vf s0 = vload_half(sc), s1 = vload_half(sc + 16);
+    const vf n0 = vload_half(mn), n1 = vload_half(mn + 16);
+#pragma GCC unroll 2
+    for (int m = 0; m < MR; m++) {
+      const vf dx = _mm256_set1_ps(a.dx[(m0 + m) * G + g]);
+      const vf xs = _mm256_set1_ps(a.xs[(m0 + m) * G + g]);
+      const vf q0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[m][0], ones));
+      const vf q1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[m][1], ones));
+      acc[m][0] = vfma(n0, xs, vfma(vmul(s0, dx), q0, acc[m][0]));
+      acc[m][1] = vfma(n1, xs, vfma(vmul(s1, dx), q1, acc[m][1]));
+    }
+  }
+#pragma GCC unroll 2
+  for (int m = 0; m < MR; m++) store_pair(d, m0 + m, h, acc[m][0], acc[m][1]);
+}
+
+// rows x K -> Int4Act's int8 codes, scales and group sums (vcvtps2dq rounds half to even, as
+// torch.round does)
+void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, float* xs) {
+  const int64_t G = K / kGroup;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < G; g++) {
+      const float* xg = x + m * K + g * kGroup;
+      __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+      for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xg + i * 8);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+        sum = _mm256_add_ps(sum, v[i]);
+      }
+      __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+      const float am = _mm_cvtss_f32(_mm_max_ss(a4, _mm_shuffle_ps(a4, a4, 1)));
+      const __m256 inv = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f);
+      __m256i qi[4];
+      for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      // 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it)
+      const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                           _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * K + g * kGroup),
+                          _mm256_permutevar8x32_epi32(b, order));
+      dx[m * G + g] = am / 127.0f;
+      xs[m * G + g] = _mm_cvtss_f32(_mm256_castps256_ps128(vset1_sum(sum)));
+    }
+}
+
+// int4 panels (runs of 4 inputs transposed) x MR rows, half h, in float: the AVX2 build's
+// first row tile of three or more rows (tile<>'s role), writing the dequantized half to the
+// scratch when more rows follow. A run's 32 bytes are loaded once and each of its 4 inputs
+// taken by an immediate shift (a per-input variable shift made these tiles 1.6x slower).
+template <int MR, bool STORE>
+void tile_int4_runs(const float* x, int64_t ldx, int64_t K, const Int4Weights& wt, int h,
+                    const Dest& d, int64_t m0, float* __restrict scratch) {
+  const __m256i nib = _mm256_set1_epi32(0x0F);
+  vf acc[MR][2];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = vzero();
+  for (int64_t g = 0; g < K / kGroup; g++) {
+    if (h == 0) wt.prefetch_ahead(g * kGroup);
+    const uint16_t* sc = wt.scale + g * kPanel + h * W;
+    const uint16_t* mn = wt.mins + g * kPanel + h * W;
+    const vf s0 = vload_half(sc), s1 = vload_half(sc + 16);
+    const vf n0 = vload_half(mn), n1 = vload_half(mn + 16);
+    for (int r = 0; r < kGroup / 4; r++) {
+      const int64_t k = g * kGroup + r * 4;
+      const __m256i v = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wt.w + k * 16 + h * 32));
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; i++) {
+        const __m256i b = _mm256_srli_epi32(v, 8 * i);  // i is a constant once unrolled
+        const vf w0 = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(b, nib)), s0, n0);
+        const vf w1 =
+            vfma(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 4), nib)), s1, n1);
+        if constexpr (STORE) {
+          vstore(scratch + (k + i) * kPanel + h * W, w0);
+          vstore(scratch + (k + i) * kPanel + 16 + h * W, w1);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++) {
+          const vf xb = vbcast(x + (m0 + m) * ldx + k + i);
+          acc[m][0] = vfma(w0, xb, acc[m][0]);
+          acc[m][1] = vfma(w1, xb, acc[m][1]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; m++) store_pair(d, m0 + m, h, acc[m][0], acc[m][1]);
+}
+
+template <bool STORE>
+void tile_int4_runs_rows(int64_t rows, const float* x, int64_t K, const Int4Weights& wt, int h,
+                         const Dest& d, int64_t m0, float* scratch) {
+  switch (rows) {
+    case 1: return tile_int4_runs<1, STORE>(x, K, K, wt, h, d, m0, scratch);
+    case 2: return tile_int4_runs<2, STORE>(x, K, K, wt, h, d, m0, scratch);
+    case 3: return tile_int4_runs<3, STORE>(x, K, K, wt, h, d, m0, scratch);
+    default: return tile_int4_runs<4, STORE>(x, K, K, wt, h, d, m0, scratch);
+  }
+}
+#endif
 
 // rows [m0, m0 + rows) with rows <= MAX, as one tile of exactly `rows` rows
 template <int MAX, class Weights>
@@ -392,14 +557,28 @@ void panel_rows(const float* x, int64_t K, const Weights& wt, const Dest& d, int
   if constexpr (std::is_same_v<Weights, Int4Weights>) {
     if (!more && first <= 2) {  // one or two rows, nothing to dequantize for later tiles
       for (int h = 0; h < kHalves; h++) {
+#if defined(__AVX512F__)
         if (first == 1) tile_int4_folded<1, 2>(x, K, K, wt, h, d, r0);
         else tile_int4_folded<2, 2>(x, K, K, wt, h, d, r0);
+#else
+        if (first == 1) tile_int4_q8<1>(K, wt, h, d, r0);
+        else tile_int4_q8<2>(K, wt, h, d, r0);
+#endif
       }
       return;
     }
   }
-  for (int h = 0; h < kHalves; h++)
-    tile_rows<kDirectRows>(first, x, K, K, wt, h, d, r0, more ? scratch : nullptr);
+  for (int h = 0; h < kHalves; h++) {
+#if !defined(__AVX512F__)
+    if constexpr (std::is_same_v<Weights, Int4Weights>) {
+      if (more) tile_int4_runs_rows<true>(first, x, K, wt, h, d, r0, scratch);
+      else tile_int4_runs_rows<false>(first, x, K, wt, h, d, r0, nullptr);
+    } else
+#endif
+    {
+      tile_rows<kDirectRows>(first, x, K, K, wt, h, d, r0, more ? scratch : nullptr);
+    }
+  }
   if (!more) return;
   const Fp32Weights dequantized{scratch};
   for (int64_t m = r0 + first; m < r1; m += kScratchRows) {
@@ -557,9 +736,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                           torch::Tensor mins, int64_t N) {
+#if defined(__AVX512F__)
   TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == torch::kByte &&
               w.is_contiguous(), "w must be contiguous uint8 panels [P, K, 16]");
-  const int64_t P = w.size(0), K = w.size(1), M = x.size(0);
+  const int64_t K = w.size(1);
+#else
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == torch::kByte &&
+              w.is_contiguous(), "w must be contiguous uint8 panels [P, K / 4, 64] (AVX2)");
+  const int64_t K = w.size(1) * 4;
+#endif
+  const int64_t P = w.size(0), M = x.size(0);
   TORCH_CHECK(K % kGroup == 0, "int4: in_features must be a multiple of ", kGroup);
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "N does not match the panels");
   check_x(x, K);
@@ -570,8 +756,20 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  const Int4Act* act = nullptr;
+#if !defined(__AVX512F__)
+  std::vector<int8_t> q;
+  std::vector<float> dx, xs;
+  Int4Act a{};
+  if (M >= 1 && M <= 2) {  // tile_int4_q8's rows (panel_rows sends no others there)
+    q.resize(M * K), dx.resize(M * G), xs.resize(M * G);
+    quantize_rows_q8(x.data_ptr<float>(), M, K, q.data(), dx.data(), xs.data());
+    a = {q.data(), dx.data(), xs.data()};
+    act = &a;
+  }
+#endif
   panel_gemm(x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), nullptr, [&](int64_t p) {
-    return Int4Weights{wp + p * K * 16, sp + p * G * kPanel, mp + p * G * kPanel};
+    return Int4Weights{wp + p * K * 16, sp + p * G * kPanel, mp + p * G * kPanel, act};
   });
   return out;
 }

@@ -13,7 +13,16 @@ KERNELS = [woq.Int8Linear, woq.Int4Linear]
 
 
 def _reference(m: woq._QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, m.dequantized(), m.bias)
+    """The dequantized weights' result; for int4 rows that the kernel build rounds to int8
+    (woq.int4_rows_quantize_inputs: AVX2, one or two rows), its integer dot products' exact
+    value: sum over groups of (W - min) . round(x / dx) dx + min . sum x."""
+    w = m.dequantized()
+    if isinstance(m, woq.Int4Linear) and woq.int4_rows_quantize_inputs(m.isa, x.shape[0]):
+        mins = woq.from_panels_int4(m.qweight, m.scale, m.mins, m.out_features)[2].float()
+        mins = torch.repeat_interleave(mins, woq.GROUP, dim=1)  # [N, K]
+        xq, _ = woq.quantize_inputs_q8(x)
+        return torch.nn.functional.linear(xq, w - mins) + torch.nn.functional.linear(x, mins, m.bias)
+    return torch.nn.functional.linear(x, w, m.bias)
 
 
 @pytest.mark.parametrize("cls", KERNELS)
@@ -27,6 +36,37 @@ def test_quantized_linear_equals_dequantized_reference(cls, shape):
         torch.testing.assert_close(m(x), _reference(m, x), atol=1e-4, rtol=1e-4)
     x = torch.randn(2, 3, shape[1], generator=gen)  # leading dims are kept
     assert m(x).shape == (2, 3, shape[0])
+
+
+@pytest.mark.skipif("avx2" not in woq.available_isas(), reason="needs an AVX2 CPU")
+def test_int4_one_and_two_rows_are_int8_dot_products_on_avx2():
+    """The AVX2 build's one- and two-row int4 tiles round the inputs to int8 per group of 32
+    (as llama.cpp's Q4_1 x Q8 products): they equal that rounding's exact result, differ from
+    the float inputs' result by about its 1/254 relative step, and three rows stay float."""
+    gen = torch.Generator().manual_seed(3)
+    m = woq.Int4Linear(torch.randn(96, 576, generator=gen) * 0.05, isa="avx2")
+    assert m.qweight.shape == (3, 576 // 4, 64)  # runs of 4 inputs transposed
+    w = m.dequantized()
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 576, generator=gen)
+        y, exact = m(x), torch.nn.functional.linear(x, w)
+        if rows <= 2:
+            torch.testing.assert_close(y, _reference(m, x), atol=1e-4, rtol=1e-4)
+            scale = exact.abs().max()
+            assert 1e-4 < (y - exact).abs().max() / scale < 2e-2  # rounded inputs, not float
+        else:
+            torch.testing.assert_close(y, exact, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quads", [False, True])
+def test_int4_panel_layouts_round_trip(quads):
+    gen = torch.Generator().manual_seed(4)
+    packed, scale, mins = woq.quantize_int4(torch.randn(40, 128, generator=gen))
+    panels = woq.to_panels_int4(packed, scale, mins, quads=quads)
+    assert panels[0].shape == ((2, 32, 64) if quads else (2, 128, 16))
+    back = woq.from_panels_int4(*panels, 40)
+    for a, b in zip(back, (packed, scale, mins)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("isa", woq.available_isas())
