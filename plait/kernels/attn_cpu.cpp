@@ -171,11 +171,14 @@ struct Shape {
 };
 
 // o[r] = o[r] * alpha[r] + sum over the block's nt tokens of p[r][t] * v[t], for RB rows and
-// NV vectors of the row from float d0 (the last of them `tail` floats long when it ends the
-// row); o's rows are Dp floats apart, p's W.
-template <int RB, int NV>
+// NV vectors of the row from float d0 (with TAIL, the last of them `tail` floats long: it ends
+// the row); o's rows are Dp floats apart, p's W. The RB * NV accumulators, RB broadcast
+// probabilities and one V vector must fit the register file (AVX2: 16): a tile that did not
+// (4 x 4, or 3 x 4 with all four V vectors held) kept its accumulators on the stack and ran
+// each token through a store-to-load round trip, ~2.5x slower (kVRows/kVVecs below).
+template <int RB, int NV, bool TAIL>
 void v_block(const float* const* vrows, int64_t nt, const float* p, const float* alpha,
-             int64_t d0, int64_t nv_here, int64_t tail_here, float* o, int64_t o_stride) {
+             int64_t d0, int64_t tail, float* o, int64_t o_stride) {
   vec acc[RB][NV];
   for (int r = 0; r < RB; r++) {
     const vec a = vset1(alpha[r]);
@@ -183,12 +186,11 @@ void v_block(const float* const* vrows, int64_t nt, const float* p, const float*
   }
   for (int64_t t = 0; t < nt; t++) {
     const float* v = vrows[t] + d0;
-    vec vv[NV];
-    for (int j = 0; j < NV; j++)
-      vv[j] = (j == nv_here - 1 && tail_here < W) ? vload_n(v + j * W, tail_here) : vload(v + j * W);
-    for (int r = 0; r < RB; r++) {
-      const vec pr = vset1(p[r * W + t]);
-      for (int j = 0; j < NV; j++) acc[r][j] = vfma(pr, vv[j], acc[r][j]);
+    vec pr[RB];
+    for (int r = 0; r < RB; r++) pr[r] = vset1(p[r * W + t]);
+    for (int j = 0; j < NV; j++) {
+      const vec vv = (TAIL && j == NV - 1) ? vload_n(v + j * W, tail) : vload(v + j * W);
+      for (int r = 0; r < RB; r++) acc[r][j] = vfma(pr[r], vv, acc[r][j]);
     }
   }
   for (int r = 0; r < RB; r++)
@@ -196,24 +198,36 @@ void v_block(const float* const* vrows, int64_t nt, const float* p, const float*
 }
 
 using VBlockFn = void (*)(const float* const*, int64_t, const float*, const float*, int64_t,
-                          int64_t, int64_t, float*, int64_t);
+                          int64_t, float*, int64_t);
+
+#if defined(__AVX512F__)
+constexpr int64_t kVRows = 4, kVVecs = 4;  // 16 accumulators of 32 registers
+#else
+constexpr int64_t kVRows = 3, kVVecs = 4;  // 12 accumulators + 3 broadcasts + 1 V vector = 16
+#endif
+
+template <int RB, int NV>
+VBlockFn v_block_tail(bool tail) {
+  return tail ? v_block<RB, NV, true> : v_block<RB, NV, false>;
+}
 
 template <int RB>
-VBlockFn v_block_for(int64_t nv) {
+VBlockFn v_block_for(int64_t nv, bool tail) {
   switch (nv) {
-    case 1: return v_block<RB, 1>;
-    case 2: return v_block<RB, 2>;
-    case 3: return v_block<RB, 3>;
-    default: return v_block<RB, 4>;
+    case 1: return v_block_tail<RB, 1>(tail);
+    case 2: return v_block_tail<RB, 2>(tail);
+    case 3: return v_block_tail<RB, 3>(tail);
+    default: return v_block_tail<RB, 4>(tail);
   }
 }
 
-VBlockFn v_block_fn(int64_t rb, int64_t nv) {
+// rb <= kVRows rows, nv <= kVVecs vectors
+VBlockFn v_block_fn(int64_t rb, int64_t nv, bool tail) {
   switch (rb) {
-    case 1: return v_block_for<1>(nv);
-    case 2: return v_block_for<2>(nv);
-    case 3: return v_block_for<3>(nv);
-    default: return v_block_for<4>(nv);
+    case 1: return v_block_for<1>(nv, tail);
+    case 2: return v_block_for<2>(nv, tail);
+    case 3: return v_block_for<3>(nv, tail);
+    default: return v_block_for<kVRows>(nv, tail);
   }
 }
 
@@ -293,14 +307,16 @@ struct Scratch {
   std::vector<float> p, m, l, alpha, o, s, kt;
 };
 
-// One task: the KV rows slots[0:n) of one sequence, all H kv heads, one pass over blocks of W
-// tokens with an online softmax. qs: [H, R, Dp] query rows, pre-scaled, zero-padded.
-// Writes o_out [H, R, D] (normalized) and lse [H, R].
+// One task: the KV rows slots[0:n) of one sequence, sh.H kv heads (all, or a run of them: kbuf
+// and vbuf then point at the run's first head in the pool rows, `row` floats apart), one pass
+// over blocks of W tokens with an online softmax. qs: [H, R, Dp] query rows, pre-scaled,
+// zero-padded. Writes o_out [H, R, D] (normalized) and lse [H, R].
 void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const float* vbuf,
-                  const int64_t* slots, int64_t n, float* o_out, float* lse, Scratch& sc) {
+                  int64_t row, const int64_t* slots, int64_t n, float* o_out, float* lse,
+                  Scratch& sc) {
   const int64_t H = sh.H, R = sh.R, D = sh.D, Dp = sh.Dp, HR = H * R;
-  const int64_t row = H * D;               // floats per pool row
-  const int64_t row_blocks = (R + 3) / 4;  // V-pass units of work per kv head
+  const int64_t span = H * D;  // floats of each pool row this task reads
+  const int64_t row_blocks = (R + kVRows - 1) / kVRows;  // V-pass units of work per kv head
   const float neg_inf = -std::numeric_limits<float>::infinity();
   sc.p.resize(HR * W);
   sc.m.assign(HR, neg_inf);
@@ -316,8 +332,8 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
   }
   alignas(64) float lane[W];
   for (int64_t t = 0; t < std::min(PREFETCH_AHEAD, n); t++) {
-    prefetch_row(kbuf + slots[t] * row, row);
-    prefetch_row(vbuf + slots[t] * row, row);
+    prefetch_row(kbuf + slots[t] * row, span);
+    prefetch_row(vbuf + slots[t] * row, span);
   }
   for (int64_t t0 = 0; t0 < n; t0 += W) {
     const int64_t nt = std::min(W, n - t0);
@@ -340,7 +356,7 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
       if (gemm) score_rows_gemm(qs + h * R * Dp, R, kh, sh, sc.kt.data(), sc.s.data());
       for (int64_t r = 0; r < R; r++) {
         const int64_t hr = h * R + r;
-        for (int64_t t = pf0 + hr; t < pf1; t += HR) prefetch_row(kbuf + slots[t] * row, row);
+        for (int64_t t = pf0 + hr; t < pf1; t += HR) prefetch_row(kbuf + slots[t] * row, span);
         const vec sv = gemm ? vload(sc.s.data() + r * W) : score_block(qs + hr * Dp, kh, sh);
         // lanes past nt repeat the last row's score: the max is the block's
         const float m_new = std::max(sc.m[hr], vhmax(sv));
@@ -352,20 +368,20 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
         vstore(p + hr * W, pv);
       }
     }
-    // o = o * alpha + p . V, register-blocked: up to 4 rows x 4 vectors over the block
+    // o = o * alpha + p . V, register-blocked: up to kVRows rows x kVVecs vectors at a time
     for (int64_t h = 0; h < H; h++) {
       const float* vh[W];
       for (int64_t t = 0; t < W; t++) vh[t] = vrow[t] + h * D;
-      for (int64_t r0 = 0; r0 < R; r0 += 4) {
-        const int64_t rb = std::min<int64_t>(4, R - r0);
+      for (int64_t r0 = 0; r0 < R; r0 += kVRows) {
+        const int64_t rb = std::min<int64_t>(kVRows, R - r0);
         const int64_t hr = h * R + r0;
-        for (int64_t t = pf0 + h * row_blocks + r0 / 4; t < pf1; t += H * row_blocks)
-          prefetch_row(vbuf + slots[t] * row, row);
-        for (int64_t j0 = 0; j0 < sh.nvec; j0 += 4) {
-          const int64_t nv = std::min<int64_t>(4, sh.nvec - j0);
-          const int64_t tail_here = (j0 + nv == sh.nvec) ? sh.tail : W;
-          v_block_fn(rb, nv)(vh, nt, p + hr * W, sc.alpha.data() + hr, j0 * W, nv, tail_here,
-                             o + hr * Dp, Dp);
+        for (int64_t t = pf0 + h * row_blocks + r0 / kVRows; t < pf1; t += H * row_blocks)
+          prefetch_row(vbuf + slots[t] * row, span);
+        for (int64_t j0 = 0; j0 < sh.nvec; j0 += kVVecs) {
+          const int64_t nv = std::min<int64_t>(kVVecs, sh.nvec - j0);
+          const bool tail = j0 + nv == sh.nvec && sh.tail < W;
+          v_block_fn(rb, nv, tail)(vh, nt, p + hr * W, sc.alpha.data() + hr, j0 * W, sh.tail,
+                                   o + hr * Dp, Dp);
         }
       }
     }
@@ -379,6 +395,7 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
 
 struct Task {
   int64_t b, start, len, part;  // part: index into the partial buffers, -1 = whole sequence
+  int64_t h0 = 0, h1 = 0;  // kv heads [h0, h1) (set by decode_attention)
 };
 
 // Split sequences into chunks of about CHUNK keys. The split depends on the sequence's own
@@ -460,18 +477,31 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
   const int64_t nparts = parts_of[B];
   const int64_t per_seq = H * R * D;
   std::vector<float> part_out(nparts * per_seq), part_lse(nparts * H * R);
+  // Fewer tasks than threads (batch 1: one, while its keys fit a chunk): each task's kv heads
+  // split into runs, one task each. The heads' rows are independent, so this changes no
+  // result (unlike a finer split of the keys, whose merge rounds differently).
+  std::vector<Task> work_items;
+  const int64_t head_parts = std::min<int64_t>(H, (threads + tasks.size() - 1) / tasks.size());
+  for (Task t : tasks)
+    for (int64_t i = 0; i < head_parts; i++) {
+      t.h0 = H * i / head_parts, t.h1 = H * (i + 1) / head_parts;
+      work_items.push_back(t);
+    }
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t i = next.fetch_add(1); i < int64_t(tasks.size()); i = next.fetch_add(1)) {
-      const Task& t = tasks[i];
+    for (int64_t i = next.fetch_add(1); i < int64_t(work_items.size()); i = next.fetch_add(1)) {
+      const Task& t = work_items[i];
       float* o = t.part < 0 ? op + t.b * per_seq : part_out.data() + t.part * per_seq;
       float* l = t.part < 0 ? lsep + t.b * H * R : part_lse.data() + t.part * H * R;
-      attend_chunk(qs.data() + t.b * H * R * sh.Dp, sh, kp, vp, sp + t.b * Wd + t.start, t.len,
-                   o, l, scratch);
+      Shape run = sh;
+      run.H = t.h1 - t.h0;
+      attend_chunk(qs.data() + (t.b * H + t.h0) * R * sh.Dp, run, kp + t.h0 * D, vp + t.h0 * D,
+                   H * D, sp + t.b * Wd + t.start, t.len, o + t.h0 * R * D, l + t.h0 * R,
+                   scratch);
     }
   };
-  if (tasks.size() > 1 && threads > 1)
+  if (work_items.size() > 1 && threads > 1)
     at::parallel_for(0, threads, 1, work);
   else
     work(0, 1);
