@@ -187,6 +187,11 @@ class ServerArgs:
         "instead of prepacked ones (plait's panel kernels, or oneDNN's; the logits copy costs "
         "one extra output embedding of memory)",
     )
+    disable_huge_pages: bool = _opt(
+        False, "on CPU, leave the weight panels and the KV pool on the allocator's pages "
+        "instead of memory advised for 2 MB transparent huge pages (where the host's THP is "
+        "madvise or always)",
+    )
     disable_cpu_linear_kernel: bool = _opt(
         False, "on CPU (float32), prepack the logits and large projections for oneDNN instead "
         "of running every linear on plait's panel kernels (built in the background on first "

@@ -12,13 +12,16 @@ import threading
 import numpy as np
 import torch
 
+from plait.runtime.hugepages import huge_zeros
+
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _PAGE = 4096
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           huge_pages: bool = False) -> torch.Tensor:
     """A zero-filled buffer. On the CPU through calloc (numpy.zeros), whose fresh pages are zero
     without being written: torch.zeros memsets them, which for SmolLM2's default 5.6 GB pool cost
     2.2 s of every start and made all of it resident for a one-request `plait generate`. Zeros
@@ -27,6 +30,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if huge_pages:  # fresh zero pages too, advised for 2 MB pages (plait/runtime/hugepages.py)
+        buf = huge_zeros(nbytes)
+        if buf is not None:
+            return buf.view(dtype).view(shape)
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
@@ -118,17 +125,19 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         prefault_bytes: int = 0,
+        huge_pages: bool = False,
     ) -> None:
         """`prefault_bytes`: on the CPU, keep this many bytes of never-used slots (all layers)
-        faulted in ahead of the allocator (Prefaulter); 0: none."""
+        faulted in ahead of the allocator (Prefaulter); 0: none. `huge_pages`: on the CPU, the
+        buffers on memory advised for 2 MB pages (plait/runtime/hugepages.py)."""
         if size < 2:
             raise ValueError(f"KV pool size must be >= 2 tokens, got {size}")
         self.size = size  # usable slots: 1..size
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (size + 1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
-        self.k_buffer = [_zeros(shape, dtype, self.device) for _ in range(num_layers)]
-        self.v_buffer = [_zeros(shape, dtype, self.device) for _ in range(num_layers)]
+        self.k_buffer = [_zeros(shape, dtype, self.device, huge_pages) for _ in range(num_layers)]
+        self.v_buffer = [_zeros(shape, dtype, self.device, huge_pages) for _ in range(num_layers)]
         self._free = torch.arange(1, size + 1, dtype=torch.int64)  # CPU free list
         self._num_free = size
         # slots 1.._fresh were never handed out: _free[:_fresh] is still arange(1, _fresh + 1)

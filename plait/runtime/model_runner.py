@@ -33,6 +33,7 @@ from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
 from plait.registry import QUANTIZATION_METHODS
 from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
+from plait.runtime.hugepages import move_buffers_to_huge_pages
 from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
 from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
 
@@ -107,6 +108,8 @@ class ModelRunner:
             self._quantize(args)
         if self.device.type == "cpu" and not args.disable_cpu_prepack:
             self._prepack_linears(args)
+        if self.device.type == "cpu" and not args.disable_huge_pages:
+            move_buffers_to_huge_pages(self.model)  # the weight panels (before any forward)
         self.attn_backend = attn
         if self.device.type == "cpu" and self.dtype == torch.float32:
             self._start_cpu_kernels(args, attn)
@@ -115,6 +118,7 @@ class ModelRunner:
             pool_tokens, cfg.num_hidden_layers, local.num_key_value_heads, cfg.head_dim,
             self.dtype, self.device,
             prefault_bytes=min(KV_PREFAULT_BYTES, pool_tokens * self._kv_bytes_per_token() // 8),
+            huge_pages=not args.disable_huge_pages,
         )
         self.req_to_token_pool = ReqToTokenPool(
             2 * args.max_running_requests + 8, self.context_length + 8, self.device
