@@ -231,15 +231,16 @@ def from_panels_int4(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Ten
 
 def int4_layout_quads(isa: str) -> bool:
     """Whether a kernel build takes int4 panels with runs of 4 inputs transposed (AVX2: its
-    one- and two-row tiles are int8 dot products, tile_int4_q8) or plain [P, K, 16]."""
+    tiles are int8 dot products, tile_int4_q8) or plain [P, K, 16]."""
     return isa == "avx2"
 
 
 def int4_rows_quantize_inputs(isa: str, rows: int) -> bool:
     """Whether int4_linear rounds the inputs to int8 (per group of 32) for `rows` rows: the
-    AVX2 build's one- and two-row tiles (tile_int4_q8, as llama.cpp's Q4_1 x Q8 dot products);
-    else its float paths, the dequantized weights' result to float rounding."""
-    return isa == "avx2" and 1 <= rows <= 2
+    AVX2 build, every row (tile_int4_q8, as llama.cpp's Q4_1 x Q8 dot products; 1.3-2x its
+    float paths); the AVX-512 build's float paths give the dequantized weights' result to
+    float rounding."""
+    return isa == "avx2" and rows >= 1
 
 
 def quantize_inputs_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

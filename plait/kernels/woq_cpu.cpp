@@ -154,8 +154,8 @@ struct Int4Weights {
   const uint8_t* w;  // [K, 16] of this panel (AVX2: [K / 4, 64])
   const uint16_t* scale;  // float16 [G, 32]
   const uint16_t* mins;
-  const Int4Act* act = nullptr;  // set: one or two rows run tile_int4_q8
-#if defined(__AVX512F__)  // (AVX2: dequantize_panel_int4 and tile_int4_q8 read the panels)
+  const Int4Act* act = nullptr;  // the inputs rounded to int8 (AVX2, tile_int4_q8)
+#if defined(__AVX512F__)  // (AVX2: tile_int4_q8 reads the panels)
   struct Group {
     const uint8_t* w;
     vf s0, s1, m0, m1;
@@ -333,17 +333,22 @@ void tile_int4_folded(const float* x, int64_t ldx, int64_t K, const Int4Weights&
 #endif
 
 #if !defined(__AVX512F__)
-// int4 x int8, one or two rows (batch-1 and 2-row decode) on AVX2, as llama.cpp's Q4_1 x Q8
-// dot products: per run of 4 inputs, the half's 32 bytes hold 8 features' 4 inputs (low
-// nibbles: features 8h + f, high: 16 + 8h + f); vpmaddubsw multiplies the unsigned codes by
-// the row's 4 int8 inputs (broadcast) and adds pairs, int16 sums collect a group's 8 runs
-// (|sum| <= 8 * 2 * 15 * 127 = 30480: no overflow), vpmaddwd adds the pairs to int32, and a
-// group ends as s * dx * sum q x8 + min * sum x in float. 16 multiply-adds a pair of
-// instructions where the float path (tile_int4_folded) needs a convert and an FMA per 8: it
-// was compute-bound (SmolLM2's batch-1 int4 linears at ~15 GB/s of weights); the cost is
-// rounding each input to int8 per group of 32, as llama.cpp does.
+// int4 x int8 on AVX2, every row (one or two rows a tile; the first pair of a panel streams it
+// from memory, the others read it from cache), as llama.cpp's Q4_1 x Q8 dot products: per
+// run of 4 inputs, the half's 32 bytes hold 8 features' 4 inputs (low nibbles: features
+// 8h + f, high: 16 + 8h + f); vpmaddubsw multiplies the unsigned codes by the row's 4 int8
+// inputs (broadcast) and adds pairs, int16 sums collect a group's 8 runs (|sum| <= 8 * 2 *
+// 15 * 127 = 30480: no overflow), vpmaddwd adds the pairs to int32, and a group ends as
+// s * dx * sum q x8 + min * sum x in float. 16 multiply-adds a pair of instructions where the
+// float paths need a convert and an FMA per 8 (plus a dequantized panel's stores and loads
+// from 3 rows on). SmolLM2's int4 linears + int4 logits, the float paths' build vs this one
+// alternated in one process: 1 row 1.30x, 2 rows 1.40x, 3-16 rows 1.5-2x, 32-512 rows
+// 1.5-1.8x. The cost is rounding each input to int8 per group of 32, as llama.cpp does; a
+// row's result is exact integer sums and the same float steps whatever the batch (so int4
+// results no longer depend on the batch size).
 template <int MR>
-void tile_int4_q8(int64_t K, const Int4Weights& wt, int h, const Dest& d, int64_t m0) {
+void tile_int4_q8(int64_t K, const Int4Weights& wt, int h, const Dest& d, int64_t m0,
+                  bool stream) {
   const Int4Act& a = *wt.act;
   const int64_t G = K / kGroup;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -352,7 +357,7 @@ void tile_int4_q8(int64_t K, const Int4Weights& wt, int h, const Dest& d, int64_
   for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = vzero();
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* wg = wt.w + g * kGroup * 16 + h * 32;
-    if (h == 0) wt.prefetch_ahead(g * kGroup);
+    if (h == 0 && stream) wt.prefetch_ahead(g * kGroup);
     __m256i s[MR][2];
 #pragma GCC unroll 2
     for (int m = 0; m < MR; m++) s[m][0] = s[m][1] = _mm256_setzero_si256();
@@ -394,8 +399,9 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* dx
   const int64_t G = K / kGroup;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t g = 0; g < G; g++) {
+  at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t m = i / G, g = i % G;
       const float* xg = x + m * K + g * kGroup;
       __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
       for (int i = 0; i < 4; i++) {
@@ -417,62 +423,9 @@ void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* dx
       dx[m * G + g] = am / 127.0f;
       xs[m * G + g] = _mm_cvtss_f32(_mm256_castps256_ps128(vset1_sum(sum)));
     }
+  });
 }
 
-// int4 panels (runs of 4 inputs transposed) x MR rows, half h, in float: the AVX2 build's
-// first row tile of three or more rows (tile<>'s role), writing the dequantized half to the
-// scratch when more rows follow. A run's 32 bytes are loaded once and each of its 4 inputs
-// taken by an immediate shift (a per-input variable shift made these tiles 1.6x slower).
-template <int MR, bool STORE>
-void tile_int4_runs(const float* x, int64_t ldx, int64_t K, const Int4Weights& wt, int h,
-                    const Dest& d, int64_t m0, float* __restrict scratch) {
-  const __m256i nib = _mm256_set1_epi32(0x0F);
-  vf acc[MR][2];
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = vzero();
-  for (int64_t g = 0; g < K / kGroup; g++) {
-    if (h == 0) wt.prefetch_ahead(g * kGroup);
-    const uint16_t* sc = wt.scale + g * kPanel + h * W;
-    const uint16_t* mn = wt.mins + g * kPanel + h * W;
-    const vf s0 = vload_half(sc), s1 = vload_half(sc + 16);
-    const vf n0 = vload_half(mn), n1 = vload_half(mn + 16);
-    for (int r = 0; r < kGroup / 4; r++) {
-      const int64_t k = g * kGroup + r * 4;
-      const __m256i v = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wt.w + k * 16 + h * 32));
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; i++) {
-        const __m256i b = _mm256_srli_epi32(v, 8 * i);  // i is a constant once unrolled
-        const vf w0 = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(b, nib)), s0, n0);
-        const vf w1 =
-            vfma(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 4), nib)), s1, n1);
-        if constexpr (STORE) {
-          vstore(scratch + (k + i) * kPanel + h * W, w0);
-          vstore(scratch + (k + i) * kPanel + 16 + h * W, w1);
-        }
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; m++) {
-          const vf xb = vbcast(x + (m0 + m) * ldx + k + i);
-          acc[m][0] = vfma(w0, xb, acc[m][0]);
-          acc[m][1] = vfma(w1, xb, acc[m][1]);
-        }
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; m++) store_pair(d, m0 + m, h, acc[m][0], acc[m][1]);
-}
-
-template <bool STORE>
-void tile_int4_runs_rows(int64_t rows, const float* x, int64_t K, const Int4Weights& wt, int h,
-                         const Dest& d, int64_t m0, float* scratch) {
-  switch (rows) {
-    case 1: return tile_int4_runs<1, STORE>(x, K, K, wt, h, d, m0, scratch);
-    case 2: return tile_int4_runs<2, STORE>(x, K, K, wt, h, d, m0, scratch);
-    case 3: return tile_int4_runs<3, STORE>(x, K, K, wt, h, d, m0, scratch);
-    default: return tile_int4_runs<4, STORE>(x, K, K, wt, h, d, m0, scratch);
-  }
-}
 #endif
 
 // rows [m0, m0 + rows) with rows <= MAX, as one tile of exactly `rows` rows
@@ -555,30 +508,31 @@ void panel_rows(const float* x, int64_t K, const Weights& wt, const Dest& d, int
   const int64_t first = std::min<int64_t>(r1 - r0, kDirectRows);
   const bool more = r0 + first < r1;
   if constexpr (std::is_same_v<Weights, Int4Weights>) {
+#if defined(__AVX512F__)
     if (!more && first <= 2) {  // one or two rows, nothing to dequantize for later tiles
       for (int h = 0; h < kHalves; h++) {
-#if defined(__AVX512F__)
         if (first == 1) tile_int4_folded<1, 2>(x, K, K, wt, h, d, r0);
         else tile_int4_folded<2, 2>(x, K, K, wt, h, d, r0);
-#else
-        if (first == 1) tile_int4_q8<1>(K, wt, h, d, r0);
-        else tile_int4_q8<2>(K, wt, h, d, r0);
-#endif
       }
       return;
     }
-  }
-  for (int h = 0; h < kHalves; h++) {
-#if !defined(__AVX512F__)
-    if constexpr (std::is_same_v<Weights, Int4Weights>) {
-      if (more) tile_int4_runs_rows<true>(first, x, K, wt, h, d, r0, scratch);
-      else tile_int4_runs_rows<false>(first, x, K, wt, h, d, r0, nullptr);
-    } else
-#endif
-    {
-      tile_rows<kDirectRows>(first, x, K, K, wt, h, d, r0, more ? scratch : nullptr);
+#else
+    {  // integer dot products, rows in pairs (the first pair streams the panel)
+      for (int h = 0; h < kHalves; h++)
+        for (int64_t m = r0; m < r1; m += 2) {
+          if (m + 1 < r1) tile_int4_q8<2>(K, wt, h, d, m, m == r0);
+          else tile_int4_q8<1>(K, wt, h, d, m, m == r0);
+        }
+      return;
     }
+#endif
   }
+#if !defined(__AVX512F__)
+  if constexpr (std::is_same_v<Weights, Int4Weights>) return;  // (all rows above)
+  else
+#endif
+  for (int h = 0; h < kHalves; h++)
+    tile_rows<kDirectRows>(first, x, K, K, wt, h, d, r0, more ? scratch : nullptr);
   if (!more) return;
   const Fp32Weights dequantized{scratch};
   for (int64_t m = r0 + first; m < r1; m += kScratchRows) {
@@ -767,7 +721,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   std::vector<int8_t> q;
   std::vector<float> dx, xs;
   Int4Act a{};
-  if (M >= 1 && M <= 2) {  // tile_int4_q8's rows (panel_rows sends no others there)
+  if (M >= 1) {  // panel_rows runs tile_int4_q8 on every row
     q.resize(M * K), dx.resize(M * G), xs.resize(M * G);
     quantize_rows_q8(x.data_ptr<float>(), M, K, q.data(), dx.data(), xs.data());
     a = {q.data(), dx.data(), xs.data()};
