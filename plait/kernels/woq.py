@@ -144,18 +144,36 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-def to_panels_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def to_panels_int8(q: torch.Tensor, scale: torch.Tensor,
+                   quads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [N, K], scale [N]) -> the kernels' layout: (q [P, K, 32], scale [P * 32]), the
-    features zero-padded to P * 32."""
+    features zero-padded to P * 32. `quads` (the AVX2 build's layout, int8_layout_quads): the
+    inputs zero-padded to a multiple of 32 and each run of 4 transposed, [P, K/4, 128], byte
+    4 j + i of run r holding input 4 r + i of feature j (its integer dot products read a
+    feature's 4 inputs as one 32-bit lane)."""
     k = q.shape[1]
     panels = _pad_rows(q, PANEL).reshape(-1, PANEL, k).transpose(1, 2)  # [P, K, 32]
+    if quads:
+        kp = -(-k // GROUP) * GROUP
+        panels = torch.nn.functional.pad(panels, (0, 0, 0, kp - k))
+        panels = panels.reshape(-1, kp // 4, 4, PANEL).transpose(2, 3).reshape(-1, kp // 4, 128)
     return panels.contiguous(), _pad_rows(scale, PANEL).contiguous()
 
 
-def from_panels_int8(panels: torch.Tensor, scale: torch.Tensor, n: int):
-    """The inverse of to_panels_int8: (q [N, K], scale [N])."""
+def from_panels_int8(panels: torch.Tensor, scale: torch.Tensor, n: int, k: int | None = None):
+    """The inverse of to_panels_int8 (either layout; k: the inputs before padding): (q [N, K],
+    scale [N])."""
+    if panels.shape[2] == 128:  # runs of 4 inputs transposed
+        p = panels.shape[0]
+        panels = panels.reshape(p, -1, PANEL, 4).transpose(2, 3).reshape(p, -1, PANEL)
     q = panels.transpose(1, 2).reshape(-1, panels.shape[1])
-    return q[:n], scale[:n]
+    return q[:n, :k], scale[:n]
+
+
+def int8_layout_quads(isa: str) -> bool:
+    """Whether a kernel build takes int8 panels with runs of 4 inputs transposed (AVX2: its
+    tiles are int8 x int8 dot products, tile_int8_q8) or plain [P, K, 32]."""
+    return isa == "avx2"
 
 
 # ----------------------------------------------------------------------------- int4
@@ -236,21 +254,23 @@ def int4_layout_quads(isa: str) -> bool:
 
 
 def int4_rows_quantize_inputs(isa: str, rows: int) -> bool:
-    """Whether int4_linear rounds the inputs to int8 (per group of 32) for `rows` rows: the
-    AVX2 build, every row (tile_int4_q8, as llama.cpp's Q4_1 x Q8 dot products; 1.3-2x its
-    float paths); the AVX-512 build's float paths give the dequantized weights' result to
-    float rounding."""
+    """Whether int4_linear (and int8_linear) round the inputs to int8 (per group of 32) for
+    `rows` rows: the AVX2 build, every row (tile_int4_q8 / tile_int8_q8, as llama.cpp's Q4_1 x
+    Q8 and Q8_0 x Q8 dot products; 1.2-2x its float paths); the AVX-512 build's float paths
+    give the dequantized weights' result to float rounding."""
     return isa == "avx2" and rows >= 1
 
 
 def quantize_inputs_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What int4_linear's integer tiles see of x [M, K]: per group of 32 inputs, dx = max |x| /
-    127 and q = round(x / dx): (q * dx as float [M, K], dx [M, K/32]); their reference."""
-    g = x.float().reshape(x.shape[0], -1, GROUP)
+    """What the int8/int4 kernels' integer tiles see of x [M, K]: per group of 32 inputs (the
+    last zero-padded), dx = max |x| / 127 and q = round(x / dx): (q * dx as float [M, K], dx
+    [M, ceil(K/32)]); their reference."""
+    k = x.shape[1]
+    g = torch.nn.functional.pad(x.float(), (0, -k % GROUP)).reshape(x.shape[0], -1, GROUP)
     amax = g.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     dx = amax / 127.0
-    return (torch.round(g * inv) * dx).reshape(x.shape), dx.squeeze(-1)
+    return (torch.round(g * inv) * dx).reshape(x.shape[0], -1)[:, :k], dx.squeeze(-1)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -326,12 +346,13 @@ class Int8Linear(_QuantizedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  isa: str | None = None) -> None:
         super().__init__(weight, bias, isa)
-        q, scale = to_panels_int8(*quantize_int8(weight))
-        self.register_buffer("qweight", q, persistent=False)  # [P, K, 32]
+        q, scale = to_panels_int8(*quantize_int8(weight), quads=int8_layout_quads(self.isa))
+        self.register_buffer("qweight", q, persistent=False)  # [P, K, 32] or [P, K/4, 128]
         self.register_buffer("scale", scale, persistent=False)  # [P * 32]
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int8(*from_panels_int8(self.qweight, self.scale, self.out_features))
+        return dequantize_int8(*from_panels_int8(self.qweight, self.scale, self.out_features,
+                                                 self.in_features))
 
     def kernel_call(self) -> tuple:
         return self._ops.int8_linear, (self.qweight, self.scale, self.out_features)

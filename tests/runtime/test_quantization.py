@@ -13,16 +13,18 @@ KERNELS = [woq.Int8Linear, woq.Int4Linear]
 
 
 def _reference(m: woq._QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    """The dequantized weights' result; for int4 rows that the kernel build rounds to int8
-    (woq.int4_rows_quantize_inputs: AVX2, one or two rows), its integer dot products' exact
-    value: sum over groups of (W - min) . round(x / dx) dx + min . sum x."""
+    """The dequantized weights' result; for rows that the kernel build rounds to int8
+    (woq.int4_rows_quantize_inputs: AVX2), its integer dot products' exact value: int8, W .
+    round(x / dx) dx; int4, sum over groups of (W - min) . round(x / dx) dx + min . sum x."""
     w = m.dequantized()
-    if isinstance(m, woq.Int4Linear) and woq.int4_rows_quantize_inputs(m.isa, x.shape[0]):
-        mins = woq.from_panels_int4(m.qweight, m.scale, m.mins, m.out_features)[2].float()
-        mins = torch.repeat_interleave(mins, woq.GROUP, dim=1)  # [N, K]
-        xq, _ = woq.quantize_inputs_q8(x)
-        return torch.nn.functional.linear(xq, w - mins) + torch.nn.functional.linear(x, mins, m.bias)
-    return torch.nn.functional.linear(x, w, m.bias)
+    if not woq.int4_rows_quantize_inputs(m.isa, x.shape[0]):
+        return torch.nn.functional.linear(x, w, m.bias)
+    xq, _ = woq.quantize_inputs_q8(x)
+    if isinstance(m, woq.Int8Linear):
+        return torch.nn.functional.linear(xq, w, m.bias)
+    mins = woq.from_panels_int4(m.qweight, m.scale, m.mins, m.out_features)[2].float()
+    mins = torch.repeat_interleave(mins, woq.GROUP, dim=1)  # [N, K]
+    return torch.nn.functional.linear(xq, w - mins) + torch.nn.functional.linear(x, mins, m.bias)
 
 
 @pytest.mark.parametrize("cls", KERNELS)
@@ -39,22 +41,36 @@ def test_quantized_linear_equals_dequantized_reference(cls, shape):
 
 
 @pytest.mark.skipif("avx2" not in woq.available_isas(), reason="needs an AVX2 CPU")
-def test_int4_rows_are_int8_dot_products_on_avx2():
-    """The AVX2 build's int4 tiles round the inputs to int8 per group of 32 (as llama.cpp's
-    Q4_1 x Q8 products): they equal that rounding's exact result, differ from the float
-    inputs' result by about its 1/254 relative step, and a row's result is the same bits
-    whatever the batch it runs in."""
+@pytest.mark.parametrize("cls, k", [(woq.Int4Linear, 576), (woq.Int8Linear, 576),
+                                    (woq.Int8Linear, 40)])  # 40: inputs padded to 64
+def test_rows_are_int8_dot_products_on_avx2(cls, k):
+    """The AVX2 build's int8/int4 tiles round the inputs to int8 per group of 32 (as
+    llama.cpp's Q8_0/Q4_1 x Q8 products): they equal that rounding's exact result, differ
+    from the float inputs' result by about its 1/254 relative step, and a row's result is the
+    same bits whatever the batch it runs in (1-2 rows, 3-4 and 5+ take different tiles)."""
     gen = torch.Generator().manual_seed(3)
-    m = woq.Int4Linear(torch.randn(96, 576, generator=gen) * 0.05, isa="avx2")
-    assert m.qweight.shape == (3, 576 // 4, 64)  # runs of 4 inputs transposed
+    m = cls(torch.randn(96, k, generator=gen) * 0.05, isa="avx2")
+    kp = -(-k // 32) * 32
+    assert m.qweight.shape == (3, kp // 4, 64 if cls is woq.Int4Linear else 128)
     w = m.dequantized()
-    x = torch.randn(67, 576, generator=gen)
-    for rows in (1, 2, 3, 5, 67):  # pairs of rows and a single one
+    x = torch.randn(67, k, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 67):
         y, exact = m(x[:rows]), torch.nn.functional.linear(x[:rows], w)
         torch.testing.assert_close(y, _reference(m, x[:rows]), atol=1e-4, rtol=1e-4)
         assert 1e-4 < (y - exact).abs().max() / exact.abs().max() < 2e-2  # rounded inputs
     alone = torch.cat([m(x[i:i + 1]) for i in range(67)])
     assert torch.equal(m(x), alone)
+    assert torch.equal(m(x[:4]), torch.cat([m(x[:2]), m(x[2:4])]))
+
+
+@pytest.mark.parametrize("k", [64, 40])
+def test_int8_panel_layouts_round_trip(k):
+    gen = torch.Generator().manual_seed(5)
+    q, scale = woq.quantize_int8(torch.randn(40, k, generator=gen))
+    for quads in (False, True):
+        panels = woq.to_panels_int8(q, scale, quads=quads)
+        back = woq.from_panels_int8(*panels, 40, k)
+        assert torch.equal(back[0], q) and torch.equal(back[1], scale)
 
 
 @pytest.mark.parametrize("quads", [False, True])
@@ -147,8 +163,10 @@ def test_runner_quantizes_layers_and_optionally_the_tied_lm_head(checkpoint, lm_
     logits = model.compute_logits(hidden)
     if lm_head:
         assert isinstance(model.packed_lm_head, woq.Int8Linear)
-        expected = hidden @ woq.dequantize_int8(*woq.quantize_int8(embed)).t()
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits, _reference(model.packed_lm_head, hidden),
+                                   atol=1e-4, rtol=1e-4)
+        assert torch.equal(model.packed_lm_head.dequantized(),
+                           woq.dequantize_int8(*woq.quantize_int8(embed)))
     else:
         torch.testing.assert_close(logits, hidden @ embed.t(), atol=1e-4, rtol=1e-4)
 
