@@ -14,6 +14,8 @@
              lookup reads B rows) + KV read (B x C x layers x 2 x kv_heads x head_dim x 4)
      flops = 2 x B x (projection + logits parameters) + 4 x B x C x layers x heads x head_dim
      bound = max(bytes / bandwidth, flops / GEMM peak)
+   with the bandwidth read just before and after that engine's measurement (the best of the
+   two: this VM's speed drifts within the hour, so each row is held to its own minutes' roof)
 3. plait's measured step: an Engine runs B requests of C prompt tokens to 1 output token and to
    1 + steps tokens (ignore_eos, greedy); step = difference / steps (scheduling, sampling and
    IPC included: what a user gets). The prompts are in the radix cache before the timed calls
@@ -250,39 +252,53 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
     gemms = gemm_peak(sorted(set(shapes["layer"])) + [shapes["logits"]])
     peak = max(gemms.values())
     rows = []
+
+    def timed(measure):
+        """measure() with the read bandwidth taken just before and after it: this VM's speed
+        drifts by up to 50% within the hour, so each row's memory roof is the best rate of
+        its own minutes (the machine's `bandwidth` above is the start's)."""
+        before = max(read_bandwidth(mib=256, repeats=3).values())
+        result = measure()
+        return result, max(before, max(read_bandwidth(mib=256, repeats=3).values()))
+
     for b in batches:
-        bound = step_bound(cfg, b, context, bandwidth, peak)
-        rows.append(_row("plait", b, plait_step(model, b, context, steps, repeats), bound))
+        step, bw = timed(lambda: plait_step(model, b, context, steps, repeats))
+        rows.append(_row("plait", b, step, step_bound(cfg, b, context, bw, peak),
+                         bandwidth_bytes_s=bw))
     for layers, head in quantized:  # memory bound only, at the quantized bytes
         for b in batches:
-            bound = step_bound(cfg, b, context, bandwidth, peak,
+            step, bw = timed(lambda: plait_step(model, b, context, steps, repeats,
+                                                quantization=layers, lm_head_quantization=head))
+            bound = step_bound(cfg, b, context, bw, peak,
                                weight_file_bytes=quantized_weight_bytes(cfg, layers, head))
             bound.update(bound_s=bound["memory_bound_s"], bound_by="memory")
-            step = plait_step(model, b, context, steps, repeats, quantization=layers,
-                              lm_head_quantization=head)
             rows.append(_row(f"plait ({layers}, logits {head if head != 'none' else 'fp32'})",
-                             b, step, bound, note="bound: quantized bytes, memory only"))
+                             b, step, bound, note="bound: quantized bytes, memory only",
+                             bandwidth_bytes_s=bw))
     if "vllm" in peers_wanted:
         from benchmarks import peers
 
-        for b, step in peers.vllm_step(model, context, steps, tuple(batches)).items():
+        vsteps, bw = timed(lambda: peers.vllm_step(model, context, steps, tuple(batches)))
+        for b, step in vsteps.items():
             rows.append(_row("vLLM-CPU (fp32)", b, step,
-                             step_bound(cfg, b, context, bandwidth, peak)))
+                             step_bound(cfg, b, context, bw, peak), bandwidth_bytes_s=bw))
     if "llamacpp" in peers_wanted:
         from benchmarks import peers
 
         for g in ggufs:
             kv = F32 if "F32" in Path(g).name.upper() else 2
             threads = int(os.environ.get("PLAIT_LLAMACPP_THREADS") or 0) or os.cpu_count() or 1
-            for b, step in peers.llamacpp_step(g, context, steps, threads,
-                                               tuple(batches)).items():
-                bound = step_bound(cfg, b, context, bandwidth, peak,
+            lsteps, bw = timed(lambda: peers.llamacpp_step(g, context, steps, threads,
+                                                            tuple(batches)))
+            for b, step in lsteps.items():
+                bound = step_bound(cfg, b, context, bw, peak,
                                    weight_file_bytes=Path(g).stat().st_size, kv_elem=kv)
                 note = f"bound: GGUF file bytes as weights, KV {kv} B/elem"
                 if kv != F32:  # quantized dot products are not fp32 FLOPs: memory bound only
                     bound.update(bound_s=bound["memory_bound_s"], bound_by="memory")
                     note += "; quantized: memory bound only (no fp32 GEMM-peak bound)"
-                rows.append(_row(f"llama.cpp ({Path(g).name})", b, step, bound, note=note))
+                rows.append(_row(f"llama.cpp ({Path(g).name})", b, step, bound, note=note,
+                                 bandwidth_bytes_s=bw))
     return {"model": model, "context": context, "steps": steps, "repeats": repeats,
             "bandwidth_bytes_s": bandwidth, "read_bandwidths_bytes_s": reads,
             "copy_bandwidth_bytes_s": copied, "gemm_flops": gemms, "gemm_peak_flops": peak,
@@ -298,12 +314,14 @@ def markdown(res: dict) -> str:
               f"write); "
               f"fp32 GEMM peak {res['gemm_peak_flops'] / 1e9:.1f} GFLOP/s ({res['threads']} "
               f"threads); context {res['context']} tokens per request"), "",
-             "| engine | batch | step ms | tok/s | bound ms | bound by | fraction of bound |",
-             "|---|---|---|---|---|---|---|"]
+             "| engine | batch | step ms | tok/s | read GB/s then | bound ms | bound by | "
+             "fraction of bound |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
+        bw = r.get("bandwidth_bytes_s", res["bandwidth_bytes_s"])
         lines.append(f"| {r['engine']} | {r['batch']} | {r['step_s'] * 1e3:.2f} | "
-                     f"{r['tok_s']:.0f} | {r['bound_s'] * 1e3:.2f} | {r['bound_by']} | "
-                     f"{r['fraction_of_bound']:.0%} |")
+                     f"{r['tok_s']:.0f} | {bw / 1e9:.1f} | {r['bound_s'] * 1e3:.2f} | "
+                     f"{r['bound_by']} | {r['fraction_of_bound']:.0%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -977,6 +977,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--suite", default="all", help=f"all, or comma-separated: {', '.join(SUITES)}")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat, plait-tiny")
+    ap.add_argument("--workloads", default="",
+                    help="only these offline workloads (comma-separated: judge, decode, json, "
+                         "tree) of the suites chosen")
     ap.add_argument(
         "--models",
         default=None,
@@ -1062,6 +1065,12 @@ def main(argv=None) -> int:
         if meta["vllm_setup_s"] is None:
             meta.setdefault("errors", []).append("setup_peers.sh failed: vLLM left out")
     offline = [w for s in suites if s in OFFLINE for w in OFFLINE[s]]
+    if args.workloads:  # a subset of the offline suites' workloads
+        wanted = set(args.workloads.split(","))
+        unknown = wanted - {w for ws in OFFLINE.values() for w in ws}
+        if unknown:
+            ap.error(f"--workloads: unknown {', '.join(sorted(unknown))}")
+        offline = [w for w in offline if w in wanted]
     t0 = time.perf_counter()
     for model_name, model in models.items():
         if offline:
