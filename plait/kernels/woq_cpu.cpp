@@ -600,14 +600,14 @@ void tile_whole_panel(const float* x, int64_t ldx, int64_t K, const float* w, co
 }
 
 // One panel x rows [r0, r1): the first tile from the quantized weights (writing the scratch
-// when more rows follow), the rest from the scratch.
+// when more rows follow), the rest from the scratch. (AVX2 int8/int4: integer dot products.)
 template <class Weights>
 void panel_rows(const float* x, int64_t K, const Weights& wt, const Dest& d, int64_t r0,
                 int64_t r1, float* scratch) {
   const int64_t first = std::min<int64_t>(r1 - r0, kDirectRows);
   const bool more = r0 + first < r1;
-  if constexpr (std::is_same_v<Weights, Int4Weights>) {
 #if defined(__AVX512F__)
+  if constexpr (std::is_same_v<Weights, Int4Weights>) {
     if (!more && first <= 2) {  // one or two rows, nothing to dequantize for later tiles
       for (int h = 0; h < kHalves; h++) {
         if (first == 1) tile_int4_folded<1, 2>(x, K, K, wt, h, d, r0);
@@ -615,41 +615,36 @@ void panel_rows(const float* x, int64_t K, const Weights& wt, const Dest& d, int
       }
       return;
     }
-#else
-    {  // integer dot products, rows in pairs (the first pair streams the panel)
-      for (int h = 0; h < kHalves; h++)
-        for (int64_t m = r0; m < r1; m += 2) {
-          if (m + 1 < r1) tile_int4_q8<2>(K, wt, h, d, m, m == r0);
-          else tile_int4_q8<1>(K, wt, h, d, m, m == r0);
-        }
-      return;
-    }
-#endif
   }
-#if !defined(__AVX512F__)
-  if constexpr (std::is_same_v<Weights, Int8Weights>) {  // K: the padded inputs here
-    // three or four rows: 4-row tiles of one vector (1.10-1.17x the float path's direct tile,
-    // where pairs were 0.75x); from five rows on pairs again (4-row tiles 0.89-0.98x of them).
-    // Either way a row's result is the same bits (exact integer sums, the same float steps).
-    if (r1 - r0 == 3 || r1 - r0 == 4) {
-      for (int h = 0; h < kHalves; h++)
-        for (int j = 0; j < 2; j++) {
-          if (r1 - r0 == 3) tile_int8_q8_vector<3>(K, wt, h, j, d, r0, true);
-          else tile_int8_q8_vector<4>(K, wt, h, j, d, r0, true);
-        }
-      return;
+#else
+  if constexpr (!std::is_same_v<Weights, Fp32Weights>) {  // (int8: K is the padded inputs)
+    if constexpr (std::is_same_v<Weights, Int8Weights>) {
+      // three or four rows: 4-row tiles of one vector (1.10-1.17x the float path's direct
+      // tile, where pairs were 0.75x); from five rows on pairs again (4-row tiles 0.89-0.98x
+      // of them). Either way a row's result is the same bits (exact integer sums, the same
+      // float steps).
+      if (r1 - r0 == 3 || r1 - r0 == 4) {
+        for (int h = 0; h < kHalves; h++)
+          for (int j = 0; j < 2; j++) {
+            if (r1 - r0 == 3) tile_int8_q8_vector<3>(K, wt, h, j, d, r0, true);
+            else tile_int8_q8_vector<4>(K, wt, h, j, d, r0, true);
+          }
+        return;
+      }
     }
-    for (int h = 0; h < kHalves; h++)
+    for (int h = 0; h < kHalves; h++)  // rows in pairs (the first pair streams the panel)
       for (int64_t m = r0; m < r1; m += 2) {
-        if (m + 1 < r1) tile_int8_q8<2>(K, wt, h, d, m, m == r0);
-        else tile_int8_q8<1>(K, wt, h, d, m, m == r0);
+        const bool two = m + 1 < r1, stream = m == r0;
+        if constexpr (std::is_same_v<Weights, Int4Weights>) {
+          if (two) tile_int4_q8<2>(K, wt, h, d, m, stream);
+          else tile_int4_q8<1>(K, wt, h, d, m, stream);
+        } else {
+          if (two) tile_int8_q8<2>(K, wt, h, d, m, stream);
+          else tile_int8_q8<1>(K, wt, h, d, m, stream);
+        }
       }
     return;
-  }
-#endif
-#if !defined(__AVX512F__)
-  if constexpr (!std::is_same_v<Weights, Fp32Weights>) return;  // (all rows above)
-  else
+  } else
 #endif
   for (int h = 0; h < kHalves; h++)
     tile_rows<kDirectRows>(first, x, K, K, wt, h, d, r0, more ? scratch : nullptr);
