@@ -147,7 +147,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def to_panels_int8(q: torch.Tensor, scale: torch.Tensor,
                    quads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [N, K], scale [N]) -> the kernels' layout: (q [P, K, 32], scale [P * 32]), the
-    features zero-padded to P * 32. `quads` (the AVX2 build's layout, int8_layout_quads): the
+    features zero-padded to P * 32. `quads` (the AVX2 build's layout, integer_dot_products): the
     inputs zero-padded to a multiple of 32 and each run of 4 transposed, [P, K/4, 128], byte
     4 j + i of run r holding input 4 r + i of feature j (its integer dot products read a
     feature's 4 inputs as one 32-bit lane)."""
@@ -168,12 +168,6 @@ def from_panels_int8(panels: torch.Tensor, scale: torch.Tensor, n: int, k: int |
         panels = panels.reshape(p, -1, PANEL, 4).transpose(2, 3).reshape(p, -1, PANEL)
     q = panels.transpose(1, 2).reshape(-1, panels.shape[1])
     return q[:n, :k], scale[:n]
-
-
-def int8_layout_quads(isa: str) -> bool:
-    """Whether a kernel build takes int8 panels with runs of 4 inputs transposed (AVX2: its
-    tiles are int8 x int8 dot products, tile_int8_q8) or plain [P, K, 32]."""
-    return isa == "avx2"
 
 
 # ----------------------------------------------------------------------------- int4
@@ -215,7 +209,7 @@ def to_panels_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor
     """Q4_1 layout -> the kernels': (nibbles uint8 [P, K, 16], scale, min [P, K/32, 32]),
     byte j of input k holding feature j (low nibble) and j + 16 (high) of the panel; the
     features zero-padded to P * 32 (padding dequantizes to 0). `quads` (the AVX2 build's
-    layout, int4_layout_quads): the same bytes with each run of 4 inputs transposed, [P, K/4,
+    layout, integer_dot_products): the same bytes with each run of 4 inputs transposed, [P, K/4,
     64], byte 4 j + i of run r holding input 4 r + i of features j and j + 16, so that its
     integer dot products read a feature's 4 inputs as one 32-bit lane."""
     k = packed.shape[1] * 2
@@ -247,18 +241,13 @@ def from_panels_int4(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Ten
     return packed, per_row(scale), per_row(mins)
 
 
-def int4_layout_quads(isa: str) -> bool:
-    """Whether a kernel build takes int4 panels with runs of 4 inputs transposed (AVX2: its
-    tiles are int8 dot products, tile_int4_q8) or plain [P, K, 16]."""
+def integer_dot_products(isa: str) -> bool:
+    """Whether a kernel build's int8/int4 linears are integer dot products (AVX2: tile_int4_q8,
+    tile_int8_q8, as llama.cpp's Q4_1/Q8_0 x Q8; 1.2-2x its float paths): their panels hold
+    each run of 4 inputs transposed (to_panels_int8/int4 `quads`) and every row's inputs are
+    rounded to int8 per group of 32 (quantize_inputs_q8). The AVX-512 build's float paths take
+    the plain panels and give the dequantized weights' result to float rounding."""
     return isa == "avx2"
-
-
-def int4_rows_quantize_inputs(isa: str, rows: int) -> bool:
-    """Whether int4_linear (and int8_linear) round the inputs to int8 (per group of 32) for
-    `rows` rows: the AVX2 build, every row (tile_int4_q8 / tile_int8_q8, as llama.cpp's Q4_1 x
-    Q8 and Q8_0 x Q8 dot products; 1.2-2x its float paths); the AVX-512 build's float paths
-    give the dequantized weights' result to float rounding."""
-    return isa == "avx2" and rows >= 1
 
 
 def quantize_inputs_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,7 +335,7 @@ class Int8Linear(_QuantizedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  isa: str | None = None) -> None:
         super().__init__(weight, bias, isa)
-        q, scale = to_panels_int8(*quantize_int8(weight), quads=int8_layout_quads(self.isa))
+        q, scale = to_panels_int8(*quantize_int8(weight), quads=integer_dot_products(self.isa))
         self.register_buffer("qweight", q, persistent=False)  # [P, K, 32] or [P, K/4, 128]
         self.register_buffer("scale", scale, persistent=False)  # [P * 32]
 
@@ -366,7 +355,7 @@ class Int4Linear(_QuantizedLinear):
                  isa: str | None = None) -> None:
         super().__init__(weight, bias, isa)
         nibbles, scale, mins = to_panels_int4(*quantize_int4(weight),
-                                              quads=int4_layout_quads(self.isa))
+                                              quads=integer_dot_products(self.isa))
         self.register_buffer("qweight", nibbles, persistent=False)  # [P, K, 16] or [P, K/4, 64]
         self.register_buffer("scale", scale, persistent=False)  # [P, K/32, 32]
         self.register_buffer("mins", mins, persistent=False)

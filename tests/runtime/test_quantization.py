@@ -14,10 +14,10 @@ KERNELS = [woq.Int8Linear, woq.Int4Linear]
 
 def _reference(m: woq._QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     """The dequantized weights' result; for rows that the kernel build rounds to int8
-    (woq.int4_rows_quantize_inputs: AVX2), its integer dot products' exact value: int8, W .
+    (woq.integer_dot_products: AVX2), its integer dot products' exact value: int8, W .
     round(x / dx) dx; int4, sum over groups of (W - min) . round(x / dx) dx + min . sum x."""
     w = m.dequantized()
-    if not woq.int4_rows_quantize_inputs(m.isa, x.shape[0]):
+    if not (woq.integer_dot_products(m.isa) and x.shape[0] >= 1):
         return torch.nn.functional.linear(x, w, m.bias)
     xq, _ = woq.quantize_inputs_q8(x)
     if isinstance(m, woq.Int8Linear):
