@@ -139,22 +139,16 @@ inline void store_pair(const Dest& d, int64_t m, int h, vf a0, vf a1) {
   store_vec(d, row, 16 + h * W, a1);
 }
 
+struct Q8Inputs;  // the inputs rounded to int8 for the AVX2 integer tiles (below)
+
 // Weight sources, read one group of kGroup inputs at a time (int4's scale and min are
 // per group: kept in registers across it): group(k0, h).pair(k) gives the vector pair
 // (features h*W.., 16+h*W..) of input k0 + k as floats.
-// int4 activations for tile_int4_q8 (AVX2): each row's inputs rounded to int8 per group of
-// kGroup (q = round(x / dx), dx = max |x| / 127) and each group's float sum (the min's term).
-struct Int4Act {
-  const int8_t* q;  // [M, K]
-  const float* dx;  // [M, K / kGroup]
-  const float* xs;  // [M, K / kGroup]
-};
-
 struct Int4Weights {
   const uint8_t* w;  // [K, 16] of this panel (AVX2: [K / 4, 64])
   const uint16_t* scale;  // float16 [G, 32]
   const uint16_t* mins;
-  const Int4Act* act = nullptr;  // the inputs rounded to int8 (AVX2, tile_int4_q8)
+  const Q8Inputs* act = nullptr;  // the inputs rounded to int8 (AVX2, tile_int4_q8)
 #if defined(__AVX512F__)  // (AVX2: tile_int4_q8 reads the panels)
   struct Group {
     const uint8_t* w;
@@ -187,8 +181,9 @@ struct Int4Weights {
 };
 
 struct Int8Weights {  // q as floats; the per-feature scale is applied at the store
+  static constexpr int64_t kInt8Ahead = 4096;  // bytes of the weight stream prefetched ahead
   const int8_t* w;  // [K, 32] of this panel (AVX2: [Kp / 4, 128], Kp = K rounded up to 32)
-  const Int4Act* act = nullptr;  // the inputs rounded to int8 (AVX2, tile_int8_q8)
+  const Q8Inputs* act = nullptr;  // the inputs rounded to int8 (AVX2, tile_int8_q8)
 #if defined(__AVX512F__)  // (AVX2: tile_int8_q8 reads the panels)
   struct Group {
     const int8_t* w;
@@ -199,7 +194,6 @@ struct Int8Weights {  // q as floats; the per-feature scale is applied at the st
       w1 = q8(w + k * kPanel + 16);
     }
   };
-  static constexpr int64_t kInt8Ahead = 4096;  // bytes
   inline Group group(int64_t k0, int h) const {
     return {w + k0 * kPanel + h * W, h == 0 ? w + k0 * kPanel + kInt8Ahead : nullptr};
   }
@@ -336,6 +330,50 @@ void tile_int4_folded(const float* x, int64_t ldx, int64_t K, const Int4Weights&
 #endif
 
 #if !defined(__AVX512F__)
+// rows x K -> int8 codes, scales and group sums (vcvtps2dq rounds half to even, as
+// torch.round does)
+void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, float* xs) {
+  const int64_t G = K / kGroup;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t m = i / G, g = i % G;
+      const float* xg = x + m * K + g * kGroup;
+      __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+      for (int c = 0; c < 4; c++) {
+        v[c] = _mm256_loadu_ps(xg + c * 8);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v[c], abs_mask));
+        sum = _mm256_add_ps(sum, v[c]);
+      }
+      __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+      const float am = _mm_cvtss_f32(_mm_max_ss(a4, _mm_shuffle_ps(a4, a4, 1)));
+      const __m256 inv = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f);
+      __m256i qi[4];
+      for (int c = 0; c < 4; c++) qi[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], inv));
+      // 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it)
+      const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                           _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * K + g * kGroup),
+                          _mm256_permutevar8x32_epi32(b, order));
+      dx[m * G + g] = am / 127.0f;
+      xs[m * G + g] = _mm_cvtss_f32(_mm256_castps256_ps128(vset1_sum(sum)));
+    }
+  });
+}
+
+// The inputs [M, K] rounded to int8 per group of kGroup (q = round(x / dx), dx = max |x| /
+// 127) and each group's float sum (int4's min term), for tile_int4_q8 / tile_int8_q8.
+struct Q8Inputs {
+  std::vector<int8_t> q;  // [M, K]
+  std::vector<float> dx, xs;  // [M, K / kGroup]
+  Q8Inputs(const float* x, int64_t M, int64_t K)
+      : q(M * K), dx(M * (K / kGroup)), xs(M * (K / kGroup)) {
+    quantize_rows_q8(x, M, K, q.data(), dx.data(), xs.data());
+  }
+};
+
 // int4 x int8 on AVX2, every row (one or two rows a tile; the first pair of a panel streams it
 // from memory, the others read it from cache), as llama.cpp's Q4_1 x Q8 dot products: per
 // run of 4 inputs, the half's 32 bytes hold 8 features' 4 inputs (low nibbles: features
@@ -352,7 +390,7 @@ void tile_int4_folded(const float* x, int64_t ldx, int64_t K, const Int4Weights&
 template <int MR>
 void tile_int4_q8(int64_t K, const Int4Weights& wt, int h, const Dest& d, int64_t m0,
                   bool stream) {
-  const Int4Act& a = *wt.act;
+  const Q8Inputs& a = *wt.act;
   const int64_t G = K / kGroup;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   vf acc[MR][2];
@@ -372,7 +410,7 @@ void tile_int4_q8(int64_t K, const Int4Weights& wt, int h, const Dest& d, int64_
 #pragma GCC unroll 2
       for (int m = 0; m < MR; m++) {
         int32_t x4;
-        std::memcpy(&x4, a.q + (m0 + m) * K + g * kGroup + r * 4, 4);
+        std::memcpy(&x4, a.q.data() + (m0 + m) * K + g * kGroup + r * 4, 4);
         const __m256i xq = _mm256_set1_epi32(x4);
         s[m][0] = _mm256_add_epi16(s[m][0], _mm256_maddubs_epi16(lo, xq));
         s[m][1] = _mm256_add_epi16(s[m][1], _mm256_maddubs_epi16(hi, xq));
@@ -396,133 +434,71 @@ void tile_int4_q8(int64_t K, const Int4Weights& wt, int h, const Dest& d, int64_
   for (int m = 0; m < MR; m++) store_pair(d, m0 + m, h, acc[m][0], acc[m][1]);
 }
 
-// int8 x int8 on AVX2, every row (one or two a tile, as tile_int4_q8; three or four rows:
-// tile_int8_q8_vector): per run of 4 inputs,
-// the half's two 32-byte vectors hold features 8h + f and 16 + 8h + f, 4 inputs each;
-// vpmaddubsw needs one unsigned operand, so it multiplies |w| by x8 with w's sign moved onto
-// it (vpsignb; |pair sum| <= 2 * 127 * 127 = 32258: no saturation), vpmaddwd adds the pairs to
-// int32, a group of 32 inputs ends as dx * sum in float, and the per-feature scale is applied
-// at the store (Dest::col_scale). 32 multiply-adds in 4 instructions where the float path
-// converts and multiplies 8 at a time. SmolLM2's int8 linears, the float path's build vs this
-// one alternated in one process: layers 1 row 1.23x, 2 rows 1.04x, 3-4 rows 1.10-1.16x, 5-256
-// rows 1.22-1.58x; the logits matrix 1.15x, 1.19x, 1.14-1.17x, 1.26-1.61x. The inputs are
-// rounded to int8 per group of 32 (relative error of the outputs ~5e-3).
-template <int MR>
-void tile_int8_q8(int64_t Kp, const Int8Weights& wt, int h, const Dest& d, int64_t m0,
+// int8 x int8 on AVX2, every row: MR rows x NV of the half's two vectors (features 8h + f and
+// 16 + 8h + f; MR 1-2 take both, 3-4 one at a time: four rows' accumulators of both would not
+// fit the 16 registers), from vector j0. Per run of 4 inputs each vector holds 8 features x 4
+// inputs; vpmaddubsw needs one unsigned operand, so it multiplies |w| by x8 with w's sign moved
+// onto it (vpsignb; |pair sum| <= 2 * 127 * 127 = 32258: no saturation), vpmaddwd adds the
+// pairs to int32, a group of 32 inputs ends as dx * sum in float, and the per-feature scale is
+// applied at the store (Dest::col_scale). 32 multiply-adds in 4 instructions where the float
+// path converts and multiplies 8 at a time. SmolLM2's int8 linears, the float path's build vs
+// this one alternated in one process: layers 1 row 1.23x, 2 rows 1.04x, 3-4 rows 1.10-1.16x,
+// 5-256 rows 1.22-1.58x; the logits matrix 1.15x, 1.19x, 1.14-1.17x, 1.26-1.61x. The inputs
+// are rounded to int8 per group of 32 (relative error of the outputs ~5e-3).
+template <int MR, int NV>
+void tile_int8_q8(int64_t Kp, const Int8Weights& wt, int h, int j0, const Dest& d, int64_t m0,
                   bool stream) {
-  const Int4Act& a = *wt.act;
+  const Q8Inputs& a = *wt.act;
   const int64_t G = Kp / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
-  vf acc[MR][2];
+  vf acc[MR][NV];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; m++)
 #pragma GCC unroll 2
-  for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = vzero();
+    for (int j = 0; j < NV; j++) acc[m][j] = vzero();
   for (int64_t g = 0; g < G; g++) {
     const int8_t* wg = wt.w + g * kGroup * kPanel;
-    if (h == 0 && stream)  // the group 4 KB on: its 16 lines
+    if (h == 0 && j0 == 0 && stream)  // the group kInt8Ahead on: its 16 lines
       for (int64_t b = 0; b < kGroup * kPanel; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wg + 4096 + b), _MM_HINT_T0);
-    __m256i s[MR][2];
-#pragma GCC unroll 2
-    for (int m = 0; m < MR; m++) s[m][0] = s[m][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int r = 0; r < kGroup / 4; r++) {
-      const int8_t* run = wg + r * 4 * kPanel;
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + h * 32));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 + h * 32));
-      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-#pragma GCC unroll 2
-      for (int m = 0; m < MR; m++) {
-        int32_t x4;
-        std::memcpy(&x4, a.q + (m0 + m) * Kp + g * kGroup + r * 4, 4);
-        const __m256i xq = _mm256_set1_epi32(x4);
-        s[m][0] = _mm256_add_epi32(
-            s[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xq, w0)), ones));
-        s[m][1] = _mm256_add_epi32(
-            s[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xq, w1)), ones));
-      }
-    }
-#pragma GCC unroll 2
-    for (int m = 0; m < MR; m++) {
-      const vf dx = _mm256_set1_ps(a.dx[(m0 + m) * G + g]);
-      acc[m][0] = vfma(_mm256_cvtepi32_ps(s[m][0]), dx, acc[m][0]);
-      acc[m][1] = vfma(_mm256_cvtepi32_ps(s[m][1]), dx, acc[m][1]);
-    }
-  }
-#pragma GCC unroll 2
-  for (int m = 0; m < MR; m++) store_pair(d, m0 + m, h, acc[m][0], acc[m][1]);
-}
-
-// tile_int8_q8 for three or four rows: one of the half's two vectors at a time (the four rows'
-// accumulators of both would not fit the 16 registers)
-template <int MR>
-void tile_int8_q8_vector(int64_t Kp, const Int8Weights& wt, int h, int j, const Dest& d,
-                         int64_t m0, bool stream) {
-  const Int4Act& a = *wt.act;
-  const int64_t G = Kp / kGroup;
-  const __m256i ones = _mm256_set1_epi16(1);
-  vf acc[MR];
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; m++) acc[m] = vzero();
-  for (int64_t g = 0; g < G; g++) {
-    const int8_t* wg = wt.w + g * kGroup * kPanel;
-    if (h == 0 && j == 0 && stream)
-      for (int64_t b = 0; b < kGroup * kPanel; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wg + 4096 + b), _MM_HINT_T0);
-    __m256i s[MR];
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; m++) s[m] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int r = 0; r < kGroup / 4; r++) {
-      const __m256i w0 = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wg + r * 4 * kPanel + j * 64 + h * 32));
-      const __m256i a0 = _mm256_abs_epi8(w0);
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; m++) {
-        int32_t x4;
-        std::memcpy(&x4, a.q + (m0 + m) * Kp + g * kGroup + r * 4, 4);
-        s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(
-            _mm256_maddubs_epi16(a0, _mm256_sign_epi8(_mm256_set1_epi32(x4), w0)), ones));
-      }
-    }
+        _mm_prefetch(reinterpret_cast<const char*>(wg + Int8Weights::kInt8Ahead + b),
+                     _MM_HINT_T0);
+    __m256i s[MR][NV];
 #pragma GCC unroll 4
     for (int m = 0; m < MR; m++)
-      acc[m] = vfma(_mm256_cvtepi32_ps(s[m]), _mm256_set1_ps(a.dx[(m0 + m) * G + g]), acc[m]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; j++) s[m][j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int r = 0; r < kGroup / 4; r++) {
+      __m256i w[NV], aw[NV];
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; j++) {
+        w[j] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(wg + r * 4 * kPanel + (j0 + j) * 64 + h * 32));
+        aw[j] = _mm256_abs_epi8(w[j]);
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; m++) {
+        int32_t x4;
+        std::memcpy(&x4, a.q.data() + (m0 + m) * Kp + g * kGroup + r * 4, 4);
+        const __m256i xq = _mm256_set1_epi32(x4);
+#pragma GCC unroll 2
+        for (int j = 0; j < NV; j++)
+          s[m][j] = _mm256_add_epi32(s[m][j], _mm256_madd_epi16(
+              _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xq, w[j])), ones));
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) {
+      const vf dx = _mm256_set1_ps(a.dx[(m0 + m) * G + g]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; j++) acc[m][j] = vfma(_mm256_cvtepi32_ps(s[m][j]), dx, acc[m][j]);
+    }
   }
 #pragma GCC unroll 4
-  for (int m = 0; m < MR; m++) store_vec(d, d.out + (m0 + m) * d.ldo, j * 16 + h * W, acc[m]);
-}
-
-// rows x K -> Int4Act's int8 codes, scales and group sums (vcvtps2dq rounds half to even, as
-// torch.round does)
-void quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, float* xs) {
-  const int64_t G = K / kGroup;
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t m = i / G, g = i % G;
-      const float* xg = x + m * K + g * kGroup;
-      __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-      for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_loadu_ps(xg + i * 8);
-        amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
-        sum = _mm256_add_ps(sum, v[i]);
-      }
-      __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
-      const float am = _mm_cvtss_f32(_mm_max_ss(a4, _mm_shuffle_ps(a4, a4, 1)));
-      const __m256 inv = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f);
-      __m256i qi[4];
-      for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-      // 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it)
-      const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
-                                           _mm256_packs_epi32(qi[2], qi[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * K + g * kGroup),
-                          _mm256_permutevar8x32_epi32(b, order));
-      dx[m * G + g] = am / 127.0f;
-      xs[m * G + g] = _mm_cvtss_f32(_mm256_castps256_ps128(vset1_sum(sum)));
-    }
-  });
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; j++)
+      store_vec(d, d.out + (m0 + m) * d.ldo, (j0 + j) * 16 + h * W, acc[m][j]);
 }
 
 #endif
@@ -626,8 +602,8 @@ void panel_rows(const float* x, int64_t K, const Weights& wt, const Dest& d, int
       if (r1 - r0 == 3 || r1 - r0 == 4) {
         for (int h = 0; h < kHalves; h++)
           for (int j = 0; j < 2; j++) {
-            if (r1 - r0 == 3) tile_int8_q8_vector<3>(K, wt, h, j, d, r0, true);
-            else tile_int8_q8_vector<4>(K, wt, h, j, d, r0, true);
+            if (r1 - r0 == 3) tile_int8_q8<3, 1>(K, wt, h, j, d, r0, true);
+            else tile_int8_q8<4, 1>(K, wt, h, j, d, r0, true);
           }
         return;
       }
@@ -639,8 +615,8 @@ void panel_rows(const float* x, int64_t K, const Weights& wt, const Dest& d, int
           if (two) tile_int4_q8<2>(K, wt, h, d, m, stream);
           else tile_int4_q8<1>(K, wt, h, d, m, stream);
         } else {
-          if (two) tile_int8_q8<2>(K, wt, h, d, m, stream);
-          else tile_int8_q8<1>(K, wt, h, d, m, stream);
+          if (two) tile_int8_q8<2, 2>(K, wt, h, 0, d, m, stream);
+          else tile_int8_q8<1, 2>(K, wt, h, 0, d, m, stream);
         }
       }
     return;
@@ -823,7 +799,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
   const int8_t* wp = w.data_ptr<int8_t>();
-  const int64_t G = Kp / kGroup;
   std::vector<float> padded;  // x with zero inputs up to Kp, where K is not a whole group
   const float* xp = x.data_ptr<float>();
   if (K != Kp) {
@@ -831,10 +806,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
     for (int64_t m = 0; m < M; m++) std::memcpy(&padded[m * Kp], xp + m * K, K * sizeof(float));
     xp = padded.data();
   }
-  std::vector<int8_t> q(M * Kp);
-  std::vector<float> dx(M * G), xs(M * G);
-  quantize_rows_q8(xp, M, Kp, q.data(), dx.data(), xs.data());
-  const Int4Act act{q.data(), dx.data(), xs.data()};
+  const Q8Inputs act(xp, M, Kp);
   panel_gemm(xp, M, Kp, N, out.data_ptr<float>(), scale.data_ptr<float>(),
              [&](int64_t p) { return Int8Weights{wp + p * Kp * kPanel, &act}; });
 #endif
@@ -863,17 +835,11 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  const Int4Act* act = nullptr;
-#if !defined(__AVX512F__)
-  std::vector<int8_t> q;
-  std::vector<float> dx, xs;
-  Int4Act a{};
-  if (M >= 1) {  // panel_rows runs tile_int4_q8 on every row
-    q.resize(M * K), dx.resize(M * G), xs.resize(M * G);
-    quantize_rows_q8(x.data_ptr<float>(), M, K, q.data(), dx.data(), xs.data());
-    a = {q.data(), dx.data(), xs.data()};
-    act = &a;
-  }
+#if defined(__AVX512F__)
+  const Q8Inputs* act = nullptr;
+#else
+  const Q8Inputs rounded(x.data_ptr<float>(), M, K);  // tile_int4_q8 takes every row
+  const Q8Inputs* act = &rounded;
 #endif
   panel_gemm(x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), nullptr, [&](int64_t p) {
     return Int4Weights{wp + p * K * 16, sp + p * G * kPanel, mp + p * G * kPanel, act};
