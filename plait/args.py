@@ -192,6 +192,15 @@ class ServerArgs:
         "instead of memory advised for 2 MB transparent huge pages (where the host's THP is "
         "madvise or always)",
     )
+    disable_cuda_graph: bool = _opt(
+        False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured at "
+        "start for batch sizes 1, 2, 4, 8, 16, ... up to --cuda-graph-max-bs (graphs need the "
+        "triton attention backend; others always decode eagerly)",
+    )
+    cuda_graph_max_bs: int | None = _opt(
+        None, "largest decode batch replayed as a CUDA graph; larger ones run eagerly "
+        "(default: --max-running-requests)",
+    )
     disable_cpu_linear_kernel: bool = _opt(
         False, "on CPU (float32), prepack the logits and large projections for oneDNN instead "
         "of running every linear on plait's panel kernels (built in the background on first "
@@ -275,6 +284,12 @@ class ServerArgs:
             raise ValueError(
                 "speculative_ngram_min_match, speculative_ngram_max_match: need "
                 "1 <= min <= max"
+            )
+        if self.cuda_graph_max_bs is not None and (
+            not isinstance(self.cuda_graph_max_bs, int) or self.cuda_graph_max_bs < 1
+        ):
+            raise ValueError(
+                f"cuda_graph_max_bs: must be a positive integer, got {self.cuda_graph_max_bs!r}"
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens: must be >= 16, got {self.max_total_tokens}")

@@ -176,6 +176,13 @@ CHECKPOINT_SPECS: dict[str, CheckpointSpec] = {
         num_attention_heads=12, num_key_value_heads=4, head_dim=64, seed=3001,
         description="a larger Llama for benchmarks (~130M parameters)",
     ),
+    "bench-1b": CheckpointSpec(
+        **_FULL_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, seed=3002,
+        dtype="bfloat16",
+        description="Llama-3.2-1B's shape with the cl100k vocabulary (~1.2B parameters, bf16): "
+        "the GPU decode benchmark's model (benchmarks/gpu_decode.py)",
+    ),
 }
 
 

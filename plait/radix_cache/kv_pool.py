@@ -187,12 +187,17 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """req_to_token[req_slot, pos] = KV slot of token `pos` of the request in that slot."""
+    """req_to_token[req_slot, pos] = KV slot of token `pos` of the request in that slot.
+    One more row than max_reqs, `padding_row`, is never handed out and stays all zeros (the
+    KV pool's reserved slot 0): padded batch rows (CUDA graphs) decode through it."""
 
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str = "cpu") -> None:
         self.max_reqs = max_reqs
         self.max_context = max_context
-        self.req_to_token = torch.zeros((max_reqs, max_context), dtype=torch.int32, device=device)
+        self.padding_row = max_reqs
+        self.req_to_token = torch.zeros(
+            (max_reqs + 1, max_context), dtype=torch.int32, device=device
+        )
         self._free = list(range(max_reqs - 1, -1, -1))
 
     @property

@@ -33,6 +33,7 @@ from plait.radix_cache.kv_pool import KVPool, ReqToTokenPool
 from plait.registry import QUANTIZATION_METHODS
 from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
+from plait.runtime.cuda_graph import GRAPH_BACKENDS, DecodeGraphRunner
 from plait.runtime.hugepages import move_buffers_to_huge_pages
 from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
 from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
@@ -123,6 +124,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             2 * args.max_running_requests + 8, self.context_length + 8, self.device
         )
+        self.decode_graphs = self._capture_decode_graphs(args)
         self.thread_tuner = _thread_tuner(args, self.device, self.tp)
         self.host_load = HostLoad()  # the tuner's load level: other processes' cores
         self.perf_clock: Callable[[], float] = time.perf_counter  # times the tuned forwards
@@ -131,6 +133,23 @@ class ModelRunner:
             model_path, cfg.architecture, self.dtype, self.device, pool_tokens,
             self.attn_backend_name,
             f", tensor parallel rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "",
+        )
+
+    def _capture_decode_graphs(self, args: ServerArgs) -> DecodeGraphRunner | None:
+        """CUDA graphs of the decode forward (plait/runtime/cuda_graph.py): on CUDA, one
+        process (tensor-parallel ranks meet at collectives), an attention backend that plans
+        its decode launches from device tensors alone."""
+        if self.device.type != "cuda" or args.disable_cuda_graph or self.tp.size > 1:
+            return None
+        if self.attn_backend_name not in GRAPH_BACKENDS:
+            logger.info(
+                "CUDA graphs: the %s attention backend decodes eagerly (graphs need %s)",
+                self.attn_backend_name, " or ".join(GRAPH_BACKENDS),
+            )
+            return None
+        return DecodeGraphRunner(
+            self.model, self.attn_backend, self.kv_pool, self.req_to_token_pool,
+            self.context_length, args.cuda_graph_max_bs or args.max_running_requests,
         )
 
     def _start_cpu_kernels(self, args: ServerArgs, attn) -> None:
@@ -201,7 +220,6 @@ class ModelRunner:
     def _pool_size(self) -> int:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
-        cfg = self.config
         per_token = self._kv_bytes_per_token()
         free = _free_memory(self.device)
         if self.device.type == "cpu":
@@ -268,7 +286,7 @@ class ModelRunner:
             logits, meta = self.run(inputs, logit_rows)
         return ForwardOutput(
             logits.cpu() if logits.device.type != "cpu" else logits,
-            self.attn_backend.shared_kv_tokens(meta),
+            self.attn_backend.shared_kv_tokens(meta) if meta is not None else 0,
         )
 
     @contextmanager
@@ -299,7 +317,18 @@ class ModelRunner:
         self, inputs: ForwardInputs, logit_rows: list[int]
     ) -> tuple[torch.Tensor | None, AttentionMetadata]:
         """The forward on this rank: logits [len(logit_rows), vocab] float32 (None on a TP
-        rank other than 0), and the metadata it ran with."""
+        rank other than 0), and the metadata it ran with (None for a CUDA graph's replay)."""
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and inputs.mode is ForwardMode.DECODE
+            and len(inputs.input_ids) == len(inputs.req_pool_indices)
+            and graphs.can_run(len(inputs.input_ids))
+        ):
+            logits = graphs.run(inputs.input_ids, inputs.req_pool_indices, inputs.seq_lens)
+            if logit_rows != list(range(logits.shape[0])):
+                logits = logits[torch.tensor(logit_rows, dtype=torch.long, device=logits.device)]
+            return logits, None
         meta, input_ids, positions = self.build_metadata(inputs)
         self.attn_backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]

@@ -58,6 +58,7 @@ class InProcessIO:
 
 def model_info(scheduler: Scheduler, model_path: str) -> dict[str, Any]:
     cfg = scheduler.runner.config
+    graphs = scheduler.runner.decode_graphs
     return {
         "model_path": model_path,
         "architecture": cfg.architecture,
@@ -69,6 +70,7 @@ def model_info(scheduler: Scheduler, model_path: str) -> dict[str, Any]:
         "device": str(scheduler.runner.device),
         "attention_backend": scheduler.runner.attn_backend_name,
         "tp_size": scheduler.runner.tp.size,
+        "cuda_graphs": graphs.stats() if graphs is not None else None,
     }
 
 
