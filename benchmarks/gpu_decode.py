@@ -125,17 +125,28 @@ def engine_e2e(model_path: str, config: dict, batches: list[int], context: int,
         engine.generate(input_ids=warm, sampling_params={**params, "max_new_tokens": 8})
         for batch in batches:
             prompts = torch.randint(0, min(vocab, 100000), (batch, context), generator=gen)
+            before = engine.get_server_info()
             t = time.perf_counter()
             outs = engine.generate(input_ids=prompts.tolist(), sampling_params=params)
             wall = time.perf_counter() - t
+            after = engine.get_server_info()
             produced = sum(len(o["output_ids"]) for o in outs)
+            # the scheduler's own phase timers (StepTimer) over this call, ms per forward
+            forwards = sum(after[k] - before[k] for k in ("extend_forwards", "decode_forwards"))
+            phases = {
+                p: round(1e3 * (v["seconds"] - before["step_time"].get(p, {"seconds": 0.0})[
+                    "seconds"]) / max(1, forwards), 3)
+                for p, v in after["step_time"].items()
+            }
             out.append({
                 "batch": batch, "context": context, "max_new_tokens": max_new_tokens,
                 "wall_s": round(wall, 3), "output_tokens": produced,
                 "output_tokens_per_s": round(produced / wall, 1),
+                "forwards": forwards, "ms_per_forward": phases,
             })
             print(f"  engine {batch:>3} x {context}: {produced} tokens in {wall:.2f} s, "
-                  f"{produced / wall:.0f} tok/s", flush=True)
+                  f"{produced / wall:.0f} tok/s; {forwards} forwards, ms each: {phases}",
+                  flush=True)
     return out
 
 
@@ -145,7 +156,7 @@ def markdown(report: dict) -> str:
         "# GPU decode: torch vs Triton vs Triton + CUDA graphs",
         "",
         f"{env['device']}, torch {env['torch']}, triton {env.get('triton')}, {report['date']}; "
-        f"model {report['model']} (bf16, random weights).",
+        f"model {report['model']} (random weights; bf16 on CUDA).",
         "",
         "## Decode step (model runner, median of the timed steps)",
         "",
