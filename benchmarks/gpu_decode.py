@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--speculative-ngram", type=int, default=None,
+                   help="the engines' n-gram draft length (default: the server's, which is 0 "
+                   "with CUDA graphs and 4 without)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = p.parse_args(argv)
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "triton": triton.__version__, "python": platform.python_version(),
         },
+        "speculative_ngram": args.speculative_ngram,
         "runner": {}, "engine": {}, "failures": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -245,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             print(f"{name} (engine):", flush=True)
             try:
+                config = dict(CONFIGS[name])
+                if args.speculative_ngram is not None:
+                    config["speculative_ngram"] = args.speculative_ngram
                 report["engine"][name] = engine_e2e(
-                    model, CONFIGS[name], engine_batches, args.context, args.max_new_tokens,
+                    model, config, engine_batches, args.context, args.max_new_tokens,
                     max_bs, args.device,
                 )
             except Exception as e:  # noqa: BLE001

@@ -146,11 +146,13 @@ class ServerArgs:
         False, "no grammar jump-forward: the model decodes text the grammar forces, token by "
         "token under the mask, instead of the forced text's own tokenization",
     )
-    speculative_ngram: int = _opt(
-        4, "n-gram (prompt-lookup) speculative decoding: propose up to K tokens that followed "
+    speculative_ngram: int | None = _opt(
+        None, "n-gram (prompt-lookup) speculative decoding: propose up to K tokens that followed "
         "the latest earlier match of the sequence's last n-gram and verify them in one forward "
         "(greedy requests without grammar or penalties; output unchanged; only in forwards of "
-        "at most --speculative-ngram-max-rows rows); 0: off",
+        "at most --speculative-ngram-max-rows rows); 0: off. Default: 4, but 0 where decode "
+        "steps replay CUDA graphs (a verify forward runs eagerly: on a 1B model on an H200 "
+        "one cost ~25x a replayed step)",
     )
     speculative_ngram_max_tokens: int = _opt(
         16, "most draft tokens verified per forward, summed over its requests (drafts widen "
@@ -274,7 +276,9 @@ class ServerArgs:
             not isinstance(self.num_threads, int) or self.num_threads < 1
         ):
             raise ValueError(f"num_threads: must be a positive integer, got {self.num_threads!r}")
-        if not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 0:
+        if self.speculative_ngram is not None and (
+            not isinstance(self.speculative_ngram, int) or self.speculative_ngram < 0
+        ):
             raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram!r}")
         for name in ("speculative_ngram_max_tokens", "speculative_ngram_max_rows",
                      "speculative_ngram_narrow_rows", "kv_run_tokens"):

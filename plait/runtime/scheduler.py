@@ -62,6 +62,11 @@ class Scheduler:
         self.io = io
         self.tokenizer = tokenizer
         self.runner = ModelRunner(args, model_path, tp)  # tp: rank 0 of a tensor-parallel group
+        # n-gram draft length: off by default where decode replays CUDA graphs (the verify
+        # forward would run eagerly, far slower than the replayed steps it saves)
+        self.speculative_ngram = args.speculative_ngram
+        if self.speculative_ngram is None:
+            self.speculative_ngram = 0 if self.runner.decode_graphs is not None else 4
         cache = RadixCache(self.runner.kv_pool, disable=args.disable_radix_cache)
         self.kv = KVManager(self.runner.kv_pool, self.runner.req_to_token_pool, cache,
                             run=args.kv_run_tokens)
@@ -373,7 +378,7 @@ class Scheduler:
         budget = min(
             self.kv.available - len(reqs), a.speculative_ngram_max_tokens,
             a.speculative_ngram_max_rows - len(reqs),
-        ) if a.speculative_ngram else 0
+        ) if self.speculative_ngram else 0
         if budget <= 0:
             return [[] for _ in reqs]
         candidates = [r for r in reqs if _may_speculate(r)]
@@ -383,7 +388,7 @@ class Scheduler:
         rows = len(reqs)
         for req in sorted(candidates, key=lambda r: -r.ngram_index.acceptance):
             n = min(
-                req.ngram_index.draft_len(a.speculative_ngram), budget,
+                req.ngram_index.draft_len(self.speculative_ngram), budget,
                 req.remaining_new_tokens - 1, self.runner.context_length - req.seq_len,
             )
             # past the narrow rows, a row costs about half a decoded token (args.py): only the

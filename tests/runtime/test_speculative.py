@@ -103,6 +103,15 @@ def assert_same(make_scheduler, reqs: list[dict], **server) -> dict:
             "counters": counters}
 
 
+def test_draft_length_defaults_to_4_without_cuda_graphs(make_scheduler):
+    s, _ = make_scheduler()  # the CPU: no CUDA graphs
+    assert s.runner.decode_graphs is None and s.speculative_ngram == 4
+    s, _ = make_scheduler(speculative_ngram=2)
+    assert s.speculative_ngram == 2
+    s, _ = make_scheduler(speculative_ngram=0)
+    assert s.speculative_ngram == 0
+
+
 def test_greedy_output_is_identical_and_drafts_are_accepted(make_scheduler):
     prompts = repetitive_prompts(8)
     res = assert_same(make_scheduler, [greedy(f"g{i}", p) for i, p in enumerate(prompts)])
