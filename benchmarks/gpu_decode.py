@@ -150,6 +150,19 @@ def engine_e2e(model_path: str, config: dict, batches: list[int], context: int,
     return out
 
 
+def _table(results: dict, rate: str, columns: list[str], cells) -> list[str]:
+    """One row per (config, batch) with `cells(row)` after config and before the rate's
+    ratio to the torch config's at the same batch."""
+    lines = ["| config | " + " | ".join(columns) + " | vs torch |",
+             "| --- " * (len(columns) + 2) + "|"]
+    base = {r["batch"]: r[rate] for r in results.get("torch", [])}
+    for name, rows in results.items():
+        for r in rows:
+            ratio = f"{r[rate] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
+            lines.append(f"| {name} | " + " | ".join(cells(r)) + f" | {ratio} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [
@@ -160,29 +173,17 @@ def markdown(report: dict) -> str:
         "",
         "## Decode step (model runner, median of the timed steps)",
         "",
-        "| config | batch | context | step ms | tokens/s | vs torch |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *_table(report["runner"], "tokens_per_s", ["batch", "context", "step ms", "tokens/s"],
+                lambda r: [str(r["batch"]), str(r["context"]), f"{r['step_ms']:.2f}",
+                           f"{r['tokens_per_s']:.0f}"]),
+        "",
+        "## End to end (plait.Engine, greedy, ignore_eos)",
+        "",
+        *_table(report["engine"], "output_tokens_per_s",
+                ["batch", "context", "new tokens", "wall s", "output tokens/s"],
+                lambda r: [str(r["batch"]), str(r["context"]), str(r["max_new_tokens"]),
+                           f"{r['wall_s']:.2f}", f"{r['output_tokens_per_s']:.0f}"]),
     ]
-    base = {r["batch"]: r["tokens_per_s"] for r in report["runner"].get("torch", [])}
-    for name, rows in report["runner"].items():
-        for r in rows:
-            ratio = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
-            lines.append(
-                f"| {name} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | "
-                f"{r['tokens_per_s']:.0f} | {f'{ratio:.2f}x' if ratio else '-'} |"
-            )
-    lines += ["", "## End to end (plait.Engine, greedy, ignore_eos)", "",
-              "| config | batch | context | new tokens | wall s | output tokens/s | vs torch |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    base = {r["batch"]: r["output_tokens_per_s"] for r in report["engine"].get("torch", [])}
-    for name, rows in report["engine"].items():
-        for r in rows:
-            ratio = r["output_tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
-            lines.append(
-                f"| {name} | {r['batch']} | {r['context']} | {r['max_new_tokens']} | "
-                f"{r['wall_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
-                f"{f'{ratio:.2f}x' if ratio else '-'} |"
-            )
     if report["failures"]:
         lines += ["", "## Failures", ""] + [f"- {f}" for f in report["failures"]]
     return "\n".join(lines) + "\n"
