@@ -196,7 +196,7 @@ class ServerArgs:
     )
     disable_cuda_graph: bool = _opt(
         False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured at "
-        "start for batch sizes 1, 2, 4, 8, 16, ... up to --cuda-graph-max-bs (graphs need the "
+        "start for batch sizes 1, 2, 4, then every 8 up to --cuda-graph-max-bs (graphs need the "
         "triton attention backend; others always decode eagerly)",
     )
     cuda_graph_max_bs: int | None = _opt(
