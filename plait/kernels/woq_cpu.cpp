@@ -20,10 +20,11 @@
 //
 // The GEMM is a register-tiled outer product: a tile of MR activation rows x one panel keeps
 // MR x 2 vector accumulators; per input k it broadcasts x[m, k] and multiplies it into the two
-// weight vectors. Each thread owns a range of panels. For each block of up to kRowBlock rows,
-// the first MR rows run straight from the quantized weights ("direct": dequantized in
-// registers) and, when more rows follow, also write the dequantized panel (K x 32 floats,
-// <= 200 KB for K = 1536: L2) to a per-thread scratch that the remaining row tiles read. So
+// weight vectors. Each thread claims runs of panels (parallel_panels). For each block of up to
+// kRowBlock rows, the first MR rows run straight from the quantized weights ("direct":
+// dequantized in registers) and, when more rows follow, also write the dequantized panel
+// (K x 32 floats, <= 200 KB for K = 1536: L2) to a per-thread scratch that the remaining row
+// tiles read. So
 // the weights are dequantized once per panel and row block, not once per row, and never for
 // the whole matrix: the old kernel dequantized per (weight row, 4 activation rows) and reread
 // all activation rows from L2 per weight row, 3x slower than fp32 at batch 32.
@@ -37,6 +38,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -48,6 +50,29 @@ constexpr int64_t kPanel = 32;  // output features per panel
 constexpr int64_t kGroup = 32;  // int4 inputs per scale/min pair
 constexpr int64_t kRowBlock = 64;  // activation rows per block: x block <= 384 KB at K = 1536
 constexpr int64_t kPrefetchFloats = 4096;  // 16 KB ahead in a single tile's stream
+
+// body(p0, p1) over panels [0, panels), claimed from a shared counter in guided chunks (each
+// claim a 1/threads share of what is left, so the first claims are each thread's contiguous
+// stream and the last ones a panel or two) instead of split evenly up front: a thread the OS
+// preempts (another process, this VM's neighbours) or that runs slower leaves the tail to the
+// others rather than holding the whole linear up at the end. Each panel is still computed
+// whole by one thread, so results do not depend on which.
+template <class Body>
+void parallel_panels(int64_t panels, const Body& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels);
+  if (threads <= 1 || at::in_parallel_region()) return body(0, panels);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    int64_t p0 = next.load(std::memory_order_relaxed);
+    while (p0 < panels) {
+      const int64_t chunk = std::max<int64_t>(1, (panels - p0) / threads);
+      if (next.compare_exchange_weak(p0, p0 + chunk, std::memory_order_relaxed)) {
+        body(p0, std::min(panels, p0 + chunk));
+        p0 = next.load(std::memory_order_relaxed);
+      }
+    }
+  });
+}
 
 #if defined(__AVX512F__)
 constexpr const char* kIsa = "avx512";
@@ -675,7 +700,7 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t block_rows = (M + blocks - 1) / blocks;  // even blocks: no 1-row remnant
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  parallel_panels(panels, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> scratch;  // one dequantized panel
     if (!std::is_same_v<decltype(make_weights(0)), Fp32Weights> && M > kDirectRows &&
         (int64_t)scratch.size() < K * kPanel)
@@ -747,7 +772,7 @@ void panel_gemm_fp32_24(const float* x, int64_t M, int64_t K, int64_t N, float* 
   const int64_t panels = (N + kPanel24 - 1) / kPanel24;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t block_rows = (M + blocks - 1) / blocks;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  parallel_panels(panels, [&](int64_t p0, int64_t p1) {
     for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
       const int64_t r1 = std::min(M, r0 + block_rows);
       for (int64_t p = p0; p < p1; p++) {

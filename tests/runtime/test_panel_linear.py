@@ -37,6 +37,28 @@ def test_panel_linear_equals_torch_linear(shape):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cls", ["fp32", "int8", "int4"])
+def test_results_do_not_depend_on_the_threads(cls):
+    """Threads claim runs of panels as they go (woq_cpu.cpp parallel_panels), so which thread
+    computes a panel varies from call to call; each panel is computed whole by one thread, so
+    the bits may not."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(3072, 576, generator=gen)
+    m = {"fp32": woq.PanelLinear, "int8": woq.Int8Linear, "int4": woq.Int4Linear}[cls](weight)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 4, 32):
+            x = torch.randn(rows, 576, generator=gen)
+            torch.set_num_threads(1)
+            one = m(x)
+            for n in (2, 3, 4):
+                torch.set_num_threads(n)
+                for _ in range(3):
+                    assert torch.equal(m(x), one), (rows, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("width", [32, 24])
 @pytest.mark.parametrize("isa", woq.available_isas())
 def test_every_isa_build_equals_torch_linear(isa, width):
