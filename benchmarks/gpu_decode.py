@@ -63,7 +63,6 @@ def runner_steps(model_path: str, config: dict, batches: list[int], context: int
     rows_out = []
     for batch in batches:
         rows = [runner.req_to_token_pool.alloc() for _ in range(batch)]
-        lens = [0] * batch
         # prefill 8 requests a forward (the extend kernels are not what is measured)
         tokens: list[int] = []
         for start in range(0, batch, 8):

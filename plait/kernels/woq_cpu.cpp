@@ -24,10 +24,9 @@
 // kRowBlock rows, the first MR rows run straight from the quantized weights ("direct":
 // dequantized in registers) and, when more rows follow, also write the dequantized panel
 // (K x 32 floats, <= 200 KB for K = 1536: L2) to a per-thread scratch that the remaining row
-// tiles read. So
-// the weights are dequantized once per panel and row block, not once per row, and never for
-// the whole matrix: the old kernel dequantized per (weight row, 4 activation rows) and reread
-// all activation rows from L2 per weight row, 3x slower than fp32 at batch 32.
+// tiles read. So the weights are dequantized once per panel and row block, not once per row,
+// and never for the whole matrix: the old kernel dequantized per (weight row, 4 activation
+// rows) and reread all activation rows from L2 per weight row, 3x slower than fp32 at batch 32.
 // fp32 panels need no scratch: every row tile reads the panel (the first from memory, the
 // rest from L2), and the weight stream is prefetched in software (panel_rows_fp32). One thread
 // streaming fp32 weights with the hardware prefetcher alone got ~40 GB/s of this machine's
@@ -702,9 +701,11 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
   const int64_t block_rows = (M + blocks - 1) / blocks;  // even blocks: no 1-row remnant
   parallel_panels(panels, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> scratch;  // one dequantized panel
+#if defined(__AVX512F__)  // (AVX2 int8/int4: integer tiles, no dequantized panel)
     if (!std::is_same_v<decltype(make_weights(0)), Fp32Weights> && M > kDirectRows &&
         (int64_t)scratch.size() < K * kPanel)
       scratch.resize(K * kPanel);
+#endif
     for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
       const int64_t r1 = std::min(M, r0 + block_rows);
       for (int64_t p = p0; p < p1; p++) {

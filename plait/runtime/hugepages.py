@@ -23,6 +23,7 @@ stay where they are. --disable-huge-pages turns it off.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import sys
@@ -49,6 +50,7 @@ def thp_available() -> bool:
         return False
 
 
+@functools.cache
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

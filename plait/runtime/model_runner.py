@@ -315,7 +315,7 @@ class ModelRunner:
 
     def run(
         self, inputs: ForwardInputs, logit_rows: list[int]
-    ) -> tuple[torch.Tensor | None, AttentionMetadata]:
+    ) -> tuple[torch.Tensor | None, AttentionMetadata | None]:
         """The forward on this rank: logits [len(logit_rows), vocab] float32 (None on a TP
         rank other than 0), and the metadata it ran with (None for a CUDA graph's replay)."""
         graphs = self.decode_graphs
@@ -326,18 +326,20 @@ class ModelRunner:
             and graphs.can_run(len(inputs.input_ids))
         ):
             logits = graphs.run(inputs.input_ids, inputs.req_pool_indices, inputs.seq_lens)
-            if logit_rows != list(range(logits.shape[0])):
-                logits = logits[torch.tensor(logit_rows, dtype=torch.long, device=logits.device)]
-            return logits, None
+            return _select_rows(logits, logit_rows), None  # (the graph's rows are the batch's)
         meta, input_ids, positions = self.build_metadata(inputs)
         self.attn_backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
-        # gather unless the rows are exactly 0..T-1 in order (a full set can come reordered:
-        # sampling rows first, then prompt rows for input logprobs)
-        if logit_rows != list(range(hidden.shape[0])):
-            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)]
-        logits = self.model.compute_logits(hidden)  # [N, vocab] (this rank's rows under TP)
-        return self.tp.gather_vocab(logits, self.config.vocab_size), meta
+        logits = self.model.compute_logits(_select_rows(hidden, logit_rows))  # [N, vocab]
+        return self.tp.gather_vocab(logits, self.config.vocab_size), meta  # (TP: this rank's)
+
+
+def _select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t's rows in `rows` order; t itself when they are exactly 0..T-1 (a full set can come
+    reordered: sampling rows first, then prompt rows for input logprobs)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t[torch.tensor(rows, dtype=torch.long, device=t.device)]
 
 
 def _thread_tuner(args: ServerArgs, device: torch.device, tp: TPGroup) -> ThreadTuner | None:
