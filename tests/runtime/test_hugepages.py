@@ -4,6 +4,8 @@ and the flag turns it off."""
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 
@@ -14,9 +16,6 @@ from plait.runtime import hugepages
 
 pytestmark = pytest.mark.skipif(not hugepages.thp_available(),
                                 reason="needs Linux with transparent huge pages (madvise/always)")
-# with THP `always` every large mapping is eligible: the not-advised checks need `madvise`
-MADVISE_MODE = "[madvise]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read() \
-    if hugepages.thp_available() else False
 
 
 def _thp_eligible(t: torch.Tensor) -> bool:
@@ -36,6 +35,21 @@ def _thp_eligible(t: torch.Tensor) -> bool:
     return eligible
 
 
+def _unadvised_is_ineligible() -> bool:
+    """Whether this kernel reads a fresh, never-advised anonymous mapping as not eligible: the
+    not-advised checks need that. With THP `always` (or a multi-size THP size set to `always`,
+    Linux 6.8+) every anonymous mapping is eligible and smaps cannot tell advised memory apart."""
+    m = mmap.mmap(-1, 2 * hugepages.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    t[::4096] = 1  # touch it so the mapping has pages
+    eligible = _thp_eligible(t)
+    del t
+    return not eligible
+
+
+MADVISE_MODE = hugepages.thp_available() and _unadvised_is_ineligible()
+
+
 def test_huge_zeros_is_zero_aligned_and_advised():
     t = hugepages.huge_zeros(5 * hugepages.HUGE_PAGE + 100)
     assert t is not None and t.dtype == torch.uint8 and t.numel() == 5 * hugepages.HUGE_PAGE + 100
@@ -43,7 +57,8 @@ def test_huge_zeros_is_zero_aligned_and_advised():
     assert int(t.count_nonzero()) == 0
     assert _thp_eligible(t)
     if MADVISE_MODE:
-        assert not _thp_eligible(torch.zeros(1 << 22, dtype=torch.uint8))  # heap: not advised
+        m = mmap.mmap(-1, 1 << 22, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        assert not _thp_eligible(torch.frombuffer(m, dtype=torch.uint8))  # not advised
 
 
 def test_move_buffers_keeps_values_and_rebinds_shared_buffers():
