@@ -17,15 +17,12 @@ token-id workloads of benchmarks/workloads.py that it is given as a JSON file.
 llama.cpp (llama-cpp-python, compiled here from source) runs GGUF files: `--gguf FILE` (repeat;
 engine names "llama.cpp (<file name>)", e.g. the SmolLM2 Q4_1 file and an F32 GGUF of the same
 weights made by `--convert HF_DIR OUT.gguf`, llama.cpp's own converter). Its configuration, the
-best this machine offers through the Python API: n_threads = n_threads_batch = every core (2
+best this machine offers through its C API: n_threads = n_threads_batch = every core (2
 here; llama.cpp scales with physical cores and has no other process to share them with),
-n_batch = n_ubatch = 512 (a whole judge/tree prompt in one or two prefill calls), flash
-attention off on CPU (no gain at these lengths), and its prompt cache: requests run one after
-another on one context and each reuses the longest prefix it shares with the previous one (the
-judge rubric, the tree's root), which is what llama.cpp's in-process API does. The Python API
-decodes one sequence at a time; llama.cpp's multi-sequence batched decoding lives in its C++
-`llama-server -np N`, not built here (LLAMA_BUILD_SERVER=OFF), so batched workloads compare
-plait's batching against llama.cpp's sequential decode with prefix reuse.
+n_batch = n_ubatch = 512, every request of a call decoded together, one sequence each, with
+the prompts' shared prefixes evaluated once (LlamaCppPeer says how). llama.cpp's own HTTP
+server, `llama-server -np N`, is built by setup_peers.sh from the same sources
+(`llama_server_binary`) and run by benchmarks/run.py's serving suite.
 
 This module is standard-library only at import time (benchmarks/run.py imports `peer_env` and
 `ENGINES` from plait's environment); vLLM is imported inside the worker.
@@ -435,6 +432,13 @@ def convert_to_gguf(hf_dir: str, out: str, outtype: str = "f32",
 def peer_wheels() -> Path:
     """Where setup_peers.sh keeps the llama-cpp-python sdist and wheel (PEER_WHEELS)."""
     return Path(os.environ.get("PEER_WHEELS") or HERE / ".peer-wheels")
+
+
+def llama_server_binary() -> Path | None:
+    """llama.cpp's C++ server as setup_peers.sh builds it
+    (<PEER_WHEELS>/llama-server-<version>/llama-server; the newest version), or None."""
+    found = sorted(peer_wheels().glob("llama-server-*/llama-server"))
+    return found[-1] if found else None
 
 
 def f32_gguf(hf_dir: str, outtype: str = "f32", python: str | None = None,

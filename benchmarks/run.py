@@ -11,8 +11,9 @@ Suites (comma-separate several):
   tree      tree of thought: 500-token root, 4 branches generating 32, each forking 3 ways
             generating 32 (stage 2 prompts contain stage 1 outputs)
   serving   benchmarks/serving.py for plait (its servers, radix cache on and off), plus vLLM's
-            OpenAI api_server (prefix caching on and off) under serving.py's client and levels:
-            TTFT / TPOT / throughput against concurrency
+            OpenAI api_server (prefix caching on and off) and llama.cpp's llama-server (with
+            llamacpp: one slot per client, continuous batching) under serving.py's client and
+            levels: TTFT / TPOT / throughput against concurrency
   programs  benchmarks/programs.py (plait.lang run_batch)
   profile   plait's own step time: forward vs scheduling, sampling, grammar masking and IPC
             (benchmarks/profile_steps.py)
@@ -676,6 +677,29 @@ def vllm_server(model: str, model_name: str, prefix_caching: bool, args) -> Serv
     )
 
 
+def llamacpp_server(gguf: str, model_name: str, slots: int, ctx_per_slot: int, args) -> Server:
+    """llama.cpp's own C++ server on one GGUF file, configured for its best throughput here:
+    `slots` parallel slots (one per client of the largest level) decoded together by its
+    continuous batching, every core for decode and prefill, one unified KV cache of slots x
+    ctx_per_slot cells (f32 beside F32 weights: equal precision; its f16 default beside
+    quantized ones), each slot reusing the prompt prefix it shares with its previous request
+    (cache_prompt, on by default)."""
+    binary = peers.llama_server_binary()
+    if binary is None:
+        raise FileNotFoundError("llama-server not built: bash benchmarks/setup_peers.sh --only llamacpp")
+    port = _free_port()
+    threads = str(int(os.environ.get("PLAIT_LLAMACPP_THREADS") or os.cpu_count() or 1))
+    cmd = [str(binary), "--model", gguf, "--alias", "bench", "--host", "127.0.0.1",
+           "--port", str(port), "--threads", threads, "--threads-batch", threads,
+           "--parallel", str(slots), "--ctx-size", str(slots * ctx_per_slot), "--kv-unified",
+           "--cont-batching", "--batch-size", "2048", "--ubatch-size", str(peers.LLAMACPP_BATCH),
+           "--seed", "0", "--no-webui", "--jinja"]
+    if "F32" in Path(gguf).name.upper():
+        cmd += ["--cache-type-k", "f32", "--cache-type-v", "f32"]
+    return Server(f"llama.cpp server ({Path(gguf).name})", cmd, dict(os.environ), port,
+                  LOGS / f"llamacpp-server-{Path(gguf).stem}-{model_name}.log")
+
+
 def _keep_raw(sv) -> None:
     """Make serving.py's per-level summary keep every request's TTFT and TPOT (for the
     distribution plots), not only percentiles."""
@@ -695,8 +719,10 @@ def _keep_raw(sv) -> None:
 
 def serving_suite(model_name: str, model: str, args, meta: dict) -> dict:
     """plait: benchmarks/serving.py's own driver (it starts plait servers, radix cache on and
-    off). vLLM: its OpenAI api_server from the peers' venv (prefix caching on and off), measured
-    by serving.py's client with the same levels. The two sides alternate per repetition."""
+    off). vLLM: its OpenAI api_server from the peers' venv (prefix caching on and off).
+    llama.cpp: its llama-server on the model's GGUF files (llamacpp_server), each started for
+    its turn. The peers are measured by serving.py's client with the same levels; the sides
+    alternate per repetition."""
     try:
         from benchmarks import serving as sv
     except ImportError as e:
@@ -738,11 +764,27 @@ def serving_suite(model_name: str, model: str, args, meta: dict) -> dict:
                     log(f"{s.name} failed: {e}")
                     s.close()
                     servers.remove(s)
-        sides = (["plait"] if "plait" in args.engine_set else []) + (["vllm"] if servers else [])
+        ggufs = model_ggufs(model_name, model, args, meta) if "llamacpp" in args.engine_set else []
+        if ggufs and peers.llama_server_binary() is None:
+            note = "llama-server not built (bash benchmarks/setup_peers.sh --only llamacpp)"
+            result.setdefault("errors", []).append(note)
+            log(note)
+            ggufs = []
+        sides = ((["plait"] if "plait" in args.engine_set else []) + (["vllm"] if servers else [])
+                 + (["llamacpp"] if ggufs else []))
         for r in range(args.repeats):
             for side in sides if r % 2 == 0 else sides[::-1]:
                 try:
-                    if side == "plait":
+                    if side == "llamacpp":  # one server at a time, started for its turn
+                        for g in ggufs:
+                            s = llamacpp_server(g, model_name, max(ns.concurrency), 1024, args)
+                            try:
+                                log(f"serving rep {r}: {s.name} ready in {s.wait_ready():.0f} s")
+                                runs.setdefault(s.name, []).append(
+                                    sv.bench_server(s.url, "bench", ns))
+                            finally:
+                                s.close()
+                    elif side == "plait":
                         log(f"serving rep {r}: benchmarks.serving {' '.join(argv)}")
                         sv.main(argv)
                         for mode, rows in json.loads(out_json.read_text())["results"].items():
@@ -784,6 +826,7 @@ def _serving_summary(reps: list[list[dict]]) -> dict:
         ):
             vals = [row[k] for row in rows if row.get(k) is not None]
             s[k] = statistics.median(vals) if vals else None
+        s["retries"] = sum(row.get("retries", 0) for row in rows)
         s["ttft_ms_all"] = [x for row in rows for x in row.get("ttft_ms_all", [])]
         s["tpot_ms_all"] = [x for row in rows for x in row.get("tpot_ms_all", [])]
         out[str(c)] = s
@@ -887,6 +930,12 @@ def markdown(result: dict) -> str:
                         f"{f(r['ttft_p50_ms'])} | {f(r['ttft_p99_ms'])} | "
                         f"{f(r['tpot_p50_ms'])} | {f(r['tpot_p99_ms'])} | {hit} |"
                     )
+        resent = [f"{name} at {c} clients: {r['retries']}"
+                  for name, per_c in s.get("servers", {}).items()
+                  for c, r in per_c.items() if r.get("retries")]
+        if resent:
+            lines += ["", "Requests sent again after the server dropped a kept-alive connection "
+                      "(their TTFT includes the lost time): " + "; ".join(resent) + "."]
         for e in s.get("errors", []):
             lines.append(f"- error: {e}")
         lines.append("")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import random
@@ -63,6 +64,7 @@ class RequestResult:
     output_tokens: int
     prompt_tokens: int
     cached_tokens: int
+    retries: int = 0  # sends again after the server dropped a kept-alive connection
 
 
 async def one_chat(
@@ -80,7 +82,18 @@ async def one_chat(
     start = time.perf_counter()
     first = None
     usage = None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+    async with contextlib.AsyncExitStack() as stack:
+        for retries in range(2):
+            try:
+                resp = await stack.enter_async_context(
+                    client.stream("POST", "/v1/chat/completions", json=body))
+                break
+            except httpx.RemoteProtocolError:
+                # a kept-alive connection the server closed as the request went out (llama.cpp's
+                # llama-server, now and then): nothing came back, so send it again, once, on a
+                # fresh connection; the time lost stays in this request's TTFT
+                if retries:
+                    raise
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
         async for line in resp.aiter_lines():
@@ -103,6 +116,7 @@ async def one_chat(
         output_tokens=n,
         prompt_tokens=usage["prompt_tokens"],
         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+        retries=retries,
     )
 
 
@@ -157,6 +171,7 @@ def summarize(results: list[RequestResult], wall: float, concurrency: int) -> di
         "latency_mean_s": statistics.mean(r.latency for r in results),
         "prompt_tokens_mean": prompt / len(results),
         "cache_hit_rate": sum(r.cached_tokens for r in results) / max(1, prompt),
+        "retries": sum(r.retries for r in results),
     }
 
 

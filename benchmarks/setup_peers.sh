@@ -9,6 +9,8 @@
 # The wheel is kept in benchmarks/.peer-wheels (PEER_WHEELS) and reused by later setups; the
 # build runs at nice 19 with MAKEFLAGS=-j2 and CMAKE_ARGS for this CPU (GGML_NATIVE: the
 # machine's own AVX2/AVX-512/FMA kernels, which is what a user building it here gets).
+# llama.cpp's C++ server (llama-server) is compiled from the same sdist's vendored llama.cpp
+# (setup_llamacpp_server), once, into $PEER_WHEELS/llama-server-<version>/.
 #
 # Run the peer with benchmarks/peers.py's environment (LD_PRELOAD of tcmalloc and the venv's
 # libiomp5.so, VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE); benchmarks/run.py sets it.
@@ -66,8 +68,41 @@ setup_llamacpp() {
     "$VENV/bin/python" -c "import llama_cpp; print('setup_peers: llama_cpp', llama_cpp.__version__)"
 }
 
+# llama.cpp's own HTTP server (llama-server: parallel slots, continuous batching), the serving
+# suite's llama.cpp peer: compiled once from the vendored llama.cpp of the same sdist (static,
+# this CPU's kernels, no curl/openssl: it serves local files) into $WHEELS/llama-server-<ver>/
+setup_llamacpp_server() {
+    local ver="${LLAMA_PIN#*==}"
+    local out="$WHEELS/llama-server-$ver"
+    if [[ -x "$out/llama-server" ]]; then
+        echo "setup_peers: $out/llama-server is built" >&2
+        return 0
+    fi
+    local sdist="$WHEELS/llama_cpp_python-$ver.tar.gz"
+    [[ -f "$sdist" ]] || { echo "setup_peers: $sdist missing (run setup_llamacpp first)" >&2; return 1; }
+    echo "setup_peers: compiling llama-server $ver (cmake, nice 19, -j2; many minutes)" >&2
+    local t0=$(date +%s) tmp
+    tmp=$(mktemp -d)
+    tar xzf "$sdist" -C "$tmp"
+    local src="$tmp/llama_cpp_python-$ver/vendor/llama.cpp"
+    local cmake=(cmake)
+    [[ -x "$VENV/bin/cmake" ]] && cmake=("$VENV/bin/cmake")
+    "${cmake[@]}" -S "$src" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+        -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
+    nice -n 19 "${cmake[@]}" --build "$tmp/build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
+    mkdir -p "$out"
+    cp "$tmp/build/bin/llama-server" "$out/llama-server.tmp"
+    mv "$out/llama-server.tmp" "$out/llama-server"
+    rm -rf "$tmp"
+    "$out/llama-server" --version >&2 || true
+    echo "setup_peers: built $out/llama-server in $(( $(date +%s) - t0 )) s" >&2
+}
+
 if [[ "$ONLY" == "llamacpp" ]]; then
     setup_llamacpp
+    setup_llamacpp_server
     exit 0
 fi
 
@@ -83,7 +118,7 @@ fi
 # 2. the venv
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
     echo "setup_peers: $VENV is ready" >&2
-    [[ "$ONLY" == "vllm" ]] || setup_llamacpp
+    [[ "$ONLY" == "vllm" ]] || { setup_llamacpp; setup_llamacpp_server; }
     exit 0
 fi
 start=$(date +%s)
@@ -108,4 +143,4 @@ LD_PRELOAD="$TCMALLOC${LD_PRELOAD:+:$LD_PRELOAD}" \
     "$VENV/bin/python" -c "import vllm, transformers, jsonschema; print('setup_peers: vllm', vllm.__version__, 'transformers', transformers.__version__)"
 echo "$WANT" > "$STAMP"
 echo "setup_peers: done in $(( $(date +%s) - start )) s" >&2
-[[ "$ONLY" == "vllm" ]] || setup_llamacpp
+[[ "$ONLY" == "vllm" ]] || { setup_llamacpp; setup_llamacpp_server; }
