@@ -677,7 +677,7 @@ def vllm_server(model: str, model_name: str, prefix_caching: bool, args) -> Serv
     )
 
 
-def llamacpp_server(gguf: str, model_name: str, slots: int, ctx_per_slot: int, args) -> Server:
+def llamacpp_server(gguf: str, model_name: str, slots: int, ctx_per_slot: int) -> Server:
     """llama.cpp's own C++ server on one GGUF file, configured for its best throughput here:
     `slots` parallel slots (one per client of the largest level) decoded together by its
     continuous batching, every core for decode and prefill, one unified KV cache of slots x
@@ -686,7 +686,8 @@ def llamacpp_server(gguf: str, model_name: str, slots: int, ctx_per_slot: int, a
     (cache_prompt, on by default)."""
     binary = peers.llama_server_binary()
     if binary is None:
-        raise FileNotFoundError("llama-server not built: bash benchmarks/setup_peers.sh --only llamacpp")
+        raise FileNotFoundError(
+            "llama-server not built: bash benchmarks/setup_peers.sh --only llamacpp")
     port = _free_port()
     threads = str(int(os.environ.get("PLAIT_LLAMACPP_THREADS") or os.cpu_count() or 1))
     cmd = [str(binary), "--model", gguf, "--alias", "bench", "--host", "127.0.0.1",
@@ -777,7 +778,7 @@ def serving_suite(model_name: str, model: str, args, meta: dict) -> dict:
                 try:
                     if side == "llamacpp":  # one server at a time, started for its turn
                         for g in ggufs:
-                            s = llamacpp_server(g, model_name, max(ns.concurrency), 1024, args)
+                            s = llamacpp_server(g, model_name, max(ns.concurrency), 1024)
                             try:
                                 log(f"serving rep {r}: {s.name} ready in {s.wait_ready():.0f} s")
                                 runs.setdefault(s.name, []).append(
