@@ -34,6 +34,13 @@ _CLOSER_TEXTS = ['"}', "]}", "}}", '"]', "0}", "0]", '"', "}", "]", ",", ":", '"
                  '""', "[]", "{}", "0", "null", "false", "true", "1", "a", " "]
 
 
+def _prefix_successor(prefix: bytes) -> bytes:
+    """The least byte string greater than every string that starts with `prefix` (which must
+    have a byte below 0xff): its last such byte incremented, what follows it dropped."""
+    head = prefix.rstrip(b"\xff")
+    return head[:-1] + bytes([head[-1] + 1])
+
+
 class ConstraintTracker:
     def __init__(self, args: ServerArgs, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         self.args = args
@@ -45,6 +52,7 @@ class ConstraintTracker:
         self._closers: list[int] | None = None
         self._quotes: list[int] | None = None
         self._spelled = None
+        self._mask_scratch: torch.Tensor | None = None  # one row, for _extension_allowed
 
     @property
     def manager(self):
@@ -163,34 +171,37 @@ class ConstraintTracker:
         return held, rolled
 
     def _extension_allowed(self, m, tail: list[int]) -> bool:
-        """The matcher allows a token whose text starts with the text of `tail` and is longer."""
-        spelled, index = self._spelling()
+        """The matcher allows a token whose text starts with the text of `tail` and is longer.
+        The tokens with that prefix are one range of the spellings in sorted order (found by
+        bisection); their bits are read from the matcher's mask in one gather. (A Python scan
+        of the range cost ~3 ms a call where the prefix is one common byte such as `"`:
+        thousands of tokens; SmolLM2's JSON workload spent ~10% of its wall time there.)"""
+        spelled, (keys, ids) = self._spelling()
         parts = [spelled[t] for t in tail]
         if any(p is None for p in parts):
             return False
         text = b"".join(parts)
-        keys = index[0]
         lo = bisect.bisect_right(keys, text)  # longer tokens with this prefix sort after it
-        candidates = []
-        for i in range(lo, len(keys)):
-            if not keys[i].startswith(text):
-                break
-            candidates.append(index[1][i])
-        if not candidates:
+        hi = bisect.bisect_left(keys, _prefix_successor(text)) if text.strip(b"\xff") else len(keys)
+        if hi <= lo:
             return False
-        mask = allocate_token_bitmask(1, self.vocab_size)
-        m.fill_bitmask(mask, 0)
-        words = mask[0]
-        return any((int(words[t >> 5]) >> (t & 31)) & 1 for t in candidates)
+        if self._mask_scratch is None:
+            self._mask_scratch = allocate_token_bitmask(1, self.vocab_size)
+        m.fill_bitmask(self._mask_scratch, 0)
+        candidates = ids[lo:hi]
+        words = self._mask_scratch[0].index_select(0, candidates >> 5)
+        return bool(((words >> (candidates & 31).to(words.dtype)) & 1).any())
 
     def _spelling(self):
-        """Token bytes by id, and (sorted spellings, their ids) for prefix look-ups."""
+        """Token bytes by id, and (sorted spellings, their ids as an int64 tensor) for prefix
+        look-ups."""
         if self._spelled is None:
             from plait.grammar.vocab import token_bytes
 
             spelled = token_bytes(self.tokenizer)[: self.vocab_size]
             pairs = sorted((b, i) for i, b in enumerate(spelled) if b)
-            self._spelled = (spelled, ([b for b, _ in pairs], [i for _, i in pairs]))
+            self._spelled = (spelled, ([b for b, _ in pairs],
+                                       torch.tensor([i for _, i in pairs], dtype=torch.int64)))
         return self._spelled
 
     # ------------------------------------------------------------------ budget

@@ -90,3 +90,39 @@ def test_whitespace_option_reaches_the_grammar(tokenizer, vocab_size, eos_ids, a
     newline = tokenizer.encode("{\n", add_special_tokens=False)
     accepted = all(matcher.accept_token(tok) for tok in newline)
     assert accepted == any_whitespace
+
+
+def test_prefix_successor_bounds_exactly_the_prefixed_strings():
+    from plait.runtime.constraints import _prefix_successor
+
+    assert _prefix_successor(b'"') == b"#"
+    assert _prefix_successor(b"a\xff\xff") == b"b"
+    for prefix in (b'"', b"a\xff", b"\x00"):
+        succ = _prefix_successor(prefix)
+        assert prefix + b"\xff" * 4 < succ and prefix < succ
+        assert not succ.startswith(prefix)
+
+
+def test_extension_check_matches_a_scan_of_the_whole_vocabulary(tokenizer, vocab_size, eos_ids,
+                                                                   backends):
+    """_extension_allowed (a bisected range of the sorted spellings, bits read in one gather)
+    gives what a scan of every token does: is some allowed token longer than the tail's text and
+    spelled with it as a prefix."""
+    from plait.grammar.base import allocate_token_bitmask
+
+    t = tracker(tokenizer, vocab_size, eos_ids)
+    spelled, _ = t._spelling()
+    seen = set()
+    for so_far in ('{"n": 5,', '{"n": 5, "tags": [', '{"n": 5, "tags": ["a'):
+        req = request(backends, SCHEMA, so_far, tokenizer)
+        mask = allocate_token_bitmask(1, vocab_size)
+        req.grammar.fill_bitmask(mask, 0)
+        allowed = [i for i in range(vocab_size) if (int(mask[0, i >> 5]) >> (i & 31)) & 1]
+        for x in ('"', " ", "a", ",", ' "', "[", "t"):
+            tail = tokenizer.encode(x, add_special_tokens=False)[:1]
+            text = spelled[tail[0]]
+            expected = any(spelled[i] is not None and len(spelled[i]) > len(text)
+                           and spelled[i].startswith(text) for i in allowed)
+            assert t._extension_allowed(req.grammar, tail) == expected, (so_far, text)
+            seen.add(expected)
+    assert seen == {True, False}  # both answers were exercised
