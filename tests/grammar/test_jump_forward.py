@@ -126,3 +126,23 @@ def test_extension_check_matches_a_scan_of_the_whole_vocabulary(tokenizer, vocab
             assert t._extension_allowed(req.grammar, tail) == expected, (so_far, text)
             seen.add(expected)
     assert seen == {True, False}  # both answers were exercised
+
+
+def test_spelling_index_is_built_off_the_loop_once_a_grammar_is_used(tokenizer, vocab_size,
+                                                                    eos_ids):
+    """The first constrained request starts the index's build in a background thread (the
+    first hold-back check then finds it ready instead of building it on the scheduler loop);
+    with jump-forward off nothing is built."""
+    t = tracker(tokenizer, vocab_size, eos_ids)
+    off = tracker(tokenizer, vocab_size, eos_ids, disable_jump_forward=True)
+    try:
+        assert t._spelling_thread is None and t._spelled is None
+        t.manager, off.manager  # noqa: B018 - created on first use, as the scheduler does
+        assert t._spelling_thread is not None and off._spelling_thread is None
+        t._spelling_thread.join(timeout=60)
+        assert t._spelled is not None
+        spelled, (keys, ids) = t._spelling()
+        assert keys == sorted(keys) and [spelled[i] for i in ids.tolist()] == keys
+    finally:
+        t.shutdown()
+        off.shutdown()
