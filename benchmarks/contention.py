@@ -202,7 +202,10 @@ def measure(args) -> dict:
         }
     for name, stats in threads.items():
         out[name]["threads"] = stats
-    return {"model": args.model, "workload": w.description, "competitor": args.competitor,
+    from benchmarks.run import _git
+
+    return {"model": args.model, "git": _git(), "workload": w.description,
+            "competitor": args.competitor,
             "spin": args.spin, "num_threads": args.num_threads or "adaptive",
             "competitor_threads": args.competitor_threads or args.num_threads or "adaptive",
             "repeats": args.repeats, "cpus": os.cpu_count(), "engines": out}
