@@ -37,7 +37,8 @@ class Matcher(ABC):
 
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed-next-token mask into bitmask[row] (EOS allowed iff can terminate)."""
+        """Write the allowed-next-token mask into bitmask[row], overwriting the whole row (EOS
+        allowed iff can terminate). Callers reuse rows (constraints.py's one-row scratch)."""
 
     @abstractmethod
     def is_terminated(self) -> bool:
