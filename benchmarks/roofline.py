@@ -14,8 +14,10 @@
              lookup reads B rows) + KV read (B x C x layers x 2 x kv_heads x head_dim x 4)
      flops = 2 x B x (projection + logits parameters) + 4 x B x C x layers x heads x head_dim
      bound = max(bytes / bandwidth, flops / GEMM peak)
-   with the bandwidth read just before and after that engine's measurement (the best of the
-   two: this VM's speed drifts within the hour, so each row is held to its own minutes' roof)
+   with the bandwidth and the GEMM peak both measured again just before and after that
+   engine's measurement (the best of the two each: this VM's speed drifts by up to 50% within
+   the hour, so each row is held to its own minutes' roofs; the start's figures are reported
+   too)
 3. plait's measured step: an Engine runs B requests of C prompt tokens to 1 output token and to
    1 + steps tokens (ignore_eos, greedy); step = difference / steps (scheduling, sampling and
    IPC included: what a user gets). The prompts are in the radix cache before the timed calls
@@ -249,47 +251,54 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
     reads = read_bandwidth()
     bandwidth = max(reads.values())
     shapes = model_shapes(cfg)
-    gemms = gemm_peak(sorted(set(shapes["layer"])) + [shapes["logits"]])
-    peak = max(gemms.values())
+    gemm_shapes = sorted(set(shapes["layer"])) + [shapes["logits"]]
+    gemms = gemm_peak(gemm_shapes)
     rows = []
 
     def timed(measure):
-        """measure() with the read bandwidth taken just before and after it: this VM's speed
-        drifts by up to 50% within the hour, so each row's memory roof is the best rate of
-        its own minutes (the machine's `bandwidth` above is the start's)."""
-        before = max(read_bandwidth(mib=256, repeats=3).values())
+        """measure() with the read bandwidth and the GEMM peak taken just before and after it:
+        this VM's speed drifts by up to 50% within the hour, so each row's roofs are the best
+        rates of its own minutes (the machine's `bandwidth` and `gemms` above are the
+        start's). Returns (result, bandwidth, peak)."""
+        def roofs():
+            return (max(read_bandwidth(mib=256, repeats=3).values()),
+                    max(gemm_peak(gemm_shapes, repeats=3).values()))
+
+        bw0, pk0 = roofs()
         result = measure()
-        return result, max(before, max(read_bandwidth(mib=256, repeats=3).values()))
+        bw1, pk1 = roofs()
+        return result, max(bw0, bw1), max(pk0, pk1)
 
     for b in batches:
-        step, bw = timed(lambda: plait_step(model, b, context, steps, repeats))
+        step, bw, peak = timed(lambda: plait_step(model, b, context, steps, repeats))
         rows.append(_row("plait", b, step, step_bound(cfg, b, context, bw, peak),
-                         bandwidth_bytes_s=bw))
+                         bandwidth_bytes_s=bw, gemm_peak_flops=peak))
     for layers, head in quantized:  # memory bound only, at the quantized bytes
         for b in batches:
-            step, bw = timed(lambda: plait_step(model, b, context, steps, repeats,
-                                                quantization=layers, lm_head_quantization=head))
+            step, bw, peak = timed(lambda: plait_step(model, b, context, steps, repeats,
+                                                      quantization=layers,
+                                                      lm_head_quantization=head))
             bound = step_bound(cfg, b, context, bw, peak,
                                weight_file_bytes=quantized_weight_bytes(cfg, layers, head))
             bound.update(bound_s=bound["memory_bound_s"], bound_by="memory")
             rows.append(_row(f"plait ({layers}, logits {head if head != 'none' else 'fp32'})",
                              b, step, bound, note="bound: quantized bytes, memory only",
-                             bandwidth_bytes_s=bw))
+                             bandwidth_bytes_s=bw, gemm_peak_flops=peak))
     if "vllm" in peers_wanted:
         from benchmarks import peers
 
-        vsteps, bw = timed(lambda: peers.vllm_step(model, context, steps, tuple(batches)))
+        vsteps, bw, peak = timed(lambda: peers.vllm_step(model, context, steps, tuple(batches)))
         for b, step in vsteps.items():
-            rows.append(_row("vLLM-CPU (fp32)", b, step,
-                             step_bound(cfg, b, context, bw, peak), bandwidth_bytes_s=bw))
+            rows.append(_row("vLLM-CPU (fp32)", b, step, step_bound(cfg, b, context, bw, peak),
+                             bandwidth_bytes_s=bw, gemm_peak_flops=peak))
     if "llamacpp" in peers_wanted:
         from benchmarks import peers
 
         for g in ggufs:
             kv = F32 if "F32" in Path(g).name.upper() else 2
             threads = int(os.environ.get("PLAIT_LLAMACPP_THREADS") or 0) or os.cpu_count() or 1
-            lsteps, bw = timed(lambda: peers.llamacpp_step(g, context, steps, threads,
-                                                            tuple(batches)))
+            lsteps, bw, peak = timed(lambda: peers.llamacpp_step(g, context, steps, threads,
+                                                                  tuple(batches)))
             for b, step in lsteps.items():
                 bound = step_bound(cfg, b, context, bw, peak,
                                    weight_file_bytes=Path(g).stat().st_size, kv_elem=kv)
@@ -298,10 +307,11 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
                     bound.update(bound_s=bound["memory_bound_s"], bound_by="memory")
                     note += "; quantized: memory bound only (no fp32 GEMM-peak bound)"
                 rows.append(_row(f"llama.cpp ({Path(g).name})", b, step, bound, note=note,
-                                 bandwidth_bytes_s=bw))
+                                 bandwidth_bytes_s=bw, gemm_peak_flops=peak))
     return {"model": model, "context": context, "steps": steps, "repeats": repeats,
             "bandwidth_bytes_s": bandwidth, "read_bandwidths_bytes_s": reads,
-            "copy_bandwidth_bytes_s": copied, "gemm_flops": gemms, "gemm_peak_flops": peak,
+            "copy_bandwidth_bytes_s": copied, "gemm_flops": gemms,
+            "gemm_peak_flops": max(gemms.values()),
             "threads": torch.get_num_threads(), "rows": rows}
 
 
@@ -312,15 +322,17 @@ def markdown(res: dict) -> str:
                                      res.get("read_bandwidths_bytes_s", {}).items())
               + f"; a copy moves {res.get('copy_bandwidth_bytes_s', 0) / 1e9:.1f} GB/s read + "
               f"write); "
-              f"fp32 GEMM peak {res['gemm_peak_flops'] / 1e9:.1f} GFLOP/s ({res['threads']} "
-              f"threads); context {res['context']} tokens per request"), "",
-             "| engine | batch | step ms | tok/s | read GB/s then | bound ms | bound by | "
-             "fraction of bound |",
-             "|---|---|---|---|---|---|---|---|"]
+              f"fp32 GEMM peak at the start {res['gemm_peak_flops'] / 1e9:.1f} GFLOP/s "
+              f"({res['threads']} threads); context {res['context']} tokens per request"), "",
+             "| engine | batch | step ms | tok/s | read GB/s then | GEMM GFLOP/s then | bound ms | "
+             "bound by | fraction of bound |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         bw = r.get("bandwidth_bytes_s", res["bandwidth_bytes_s"])
+        pk = r.get("gemm_peak_flops", res["gemm_peak_flops"])
         lines.append(f"| {r['engine']} | {r['batch']} | {r['step_s'] * 1e3:.2f} | "
-                     f"{r['tok_s']:.0f} | {bw / 1e9:.1f} | {r['bound_s'] * 1e3:.2f} | "
+                     f"{r['tok_s']:.0f} | {bw / 1e9:.1f} | {pk / 1e9:.0f} | "
+                     f"{r['bound_s'] * 1e3:.2f} | "
                      f"{r['bound_by']} | {r['fraction_of_bound']:.0%} |")
     return "\n".join(lines) + "\n"
 
