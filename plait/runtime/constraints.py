@@ -35,11 +35,12 @@ _CLOSER_TEXTS = ['"}', "]}", "}}", '"]', "0}", "0]", '"', "}", "]", ",", ":", '"
                  '""', "[]", "{}", "0", "null", "false", "true", "1", "a", " "]
 
 
-def _prefix_successor(prefix: bytes) -> bytes:
-    """The least byte string greater than every string that starts with `prefix` (which must
-    have a byte below 0xff): its last such byte incremented, what follows it dropped."""
+def _prefix_successor(prefix: bytes) -> bytes | None:
+    """The least byte string greater than every string that starts with `prefix`: its last
+    byte below 0xff incremented, what follows it dropped; None when there is none (the
+    prefix is empty or all 0xff: every string after it has it as a prefix)."""
     head = prefix.rstrip(b"\xff")
-    return head[:-1] + bytes([head[-1] + 1])
+    return head[:-1] + bytes([head[-1] + 1]) if head else None
 
 
 class ConstraintTracker:
@@ -185,7 +186,8 @@ class ConstraintTracker:
             return False
         text = b"".join(parts)
         lo = bisect.bisect_right(keys, text)  # longer tokens with this prefix sort after it
-        hi = bisect.bisect_left(keys, _prefix_successor(text)) if text.strip(b"\xff") else len(keys)
+        successor = _prefix_successor(text)
+        hi = len(keys) if successor is None else bisect.bisect_left(keys, successor)
         if hi <= lo:
             return False
         if self._mask_scratch is None:

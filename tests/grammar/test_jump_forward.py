@@ -97,6 +97,7 @@ def test_prefix_successor_bounds_exactly_the_prefixed_strings():
 
     assert _prefix_successor(b'"') == b"#"
     assert _prefix_successor(b"a\xff\xff") == b"b"
+    assert _prefix_successor(b"\xff\xff") is None and _prefix_successor(b"") is None
     for prefix in (b'"', b"a\xff", b"\x00"):
         succ = _prefix_successor(prefix)
         assert prefix + b"\xff" * 4 < succ and prefix < succ
