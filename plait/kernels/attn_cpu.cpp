@@ -570,6 +570,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "merge a shared prefix's (out, lse) into its members' rows of (out, lse), in place");
   m.def("decode_attention", &decode_attention,
         "q [B, Hkv, R, D] over the pool rows slots[b, :lens[b]] -> (out, lse)");
+  // (address, signature) for fused_cpu.cpp's DecodeLayers, which calls it directly
+  m.def("entry_points", []() {
+    py::dict d;
+    d["decode_attention"] = std::make_pair(
+        reinterpret_cast<int64_t>(&decode_attention),
+        std::string("Tensor[](Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, "
+                    "Tensor lens, float scale)"));
+    return d;
+  });
 #if defined(__AVX512F__)
   m.attr("isa") = "avx512";
 #else

@@ -484,6 +484,149 @@ std::vector<torch::Tensor> max_argmax(const torch::Tensor& logits) {
 
 }  // namespace
 
+// ----------------------------------------------------------------------------- decode layers
+// The model's lean layer loop (LlamaForCausalLM._forward_lean) in C++: per layer the fused qkv
+// linear, rope_store_kv, decode attention, o linear, add_rms_norm_, gate_up linear, silu_mul,
+// down linear, add_rms_norm_ -- the same kernels on the same operands in the same order, so
+// the same results, without the ~270 Python calls a step (each a few microseconds, more with
+// the interpreter's state evicted by the weight stream: SmolLM2's 30 layers at batch 1 on the
+// AVX2 VM, see llama.py). The linears and the attention live in the other kernel modules
+// (woq_cpu.cpp, attn_cpu.cpp); each exports its entry points' addresses with their signatures
+// (entry_points()), and this module calls them through typed pointers, so each source keeps
+// its own build flags (this one's -ffp-contract=off) and the three are not one translation
+// unit. The GIL is released for the whole loop.
+namespace {
+
+using Tensor = torch::Tensor;
+using Fp32LinearFn = Tensor (*)(Tensor, Tensor, int64_t);
+using Int8LinearFn = Tensor (*)(Tensor, Tensor, Tensor, int64_t);
+using Int4LinearFn = Tensor (*)(Tensor, Tensor, Tensor, Tensor, int64_t);
+using AttentionFn = std::vector<Tensor> (*)(Tensor, Tensor, Tensor, Tensor, Tensor, double);
+
+// the signature each entry point is exported with (woq_cpu.cpp, attn_cpu.cpp)
+constexpr const char* kFp32Signature = "Tensor(Tensor x, Tensor w, int64 N)";
+constexpr const char* kInt8Signature = "Tensor(Tensor x, Tensor w, Tensor scale, int64 N)";
+constexpr const char* kInt4Signature =
+    "Tensor(Tensor x, Tensor w, Tensor scale, Tensor mins, int64 N)";
+constexpr const char* kAttentionSignature =
+    "Tensor[](Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, Tensor lens, float scale)";
+
+// an exported (address, signature) pair, its signature checked
+void* entry_point(const py::handle& entry, const std::string& name, const char* signature) {
+  const auto e = entry.cast<std::pair<int64_t, std::string>>();
+  TORCH_CHECK(e.second == signature, "entry point ", name, ": signature ", e.second,
+              ", expected ", signature);
+  return reinterpret_cast<void*>(e.first);
+}
+
+struct Linear {
+  int kind = 0;  // 0 fp32, 1 int8, 2 int4
+  void* fn = nullptr;
+  std::vector<Tensor> w;  // the kernel's operands after x, N last
+  int64_t n = 0;
+
+  Tensor operator()(const Tensor& x) const {
+    switch (kind) {
+      case 0: return reinterpret_cast<Fp32LinearFn>(fn)(x, w[0], n);
+      case 1: return reinterpret_cast<Int8LinearFn>(fn)(x, w[0], w[1], n);
+      default: return reinterpret_cast<Int4LinearFn>(fn)(x, w[0], w[1], w[2], n);
+    }
+  }
+};
+
+struct Layer {
+  Linear qkv, o, gate_up, down;
+  Tensor post_w, next_w, k_buffer, v_buffer;
+  double post_eps = 0, next_eps = 0;
+  int64_t heads = 0, kv_heads = 0;
+};
+
+// (name, (address, signature), operands) of one linear (woq.py's kernel_entry): the kind
+// from its name, the address checked against the kind's signature
+Linear make_linear(const py::tuple& spec) {
+  TORCH_CHECK(spec.size() == 3, "decode layers: a linear is (name, entry point, operands)");
+  const std::string name = spec[0].cast<std::string>();
+  const py::tuple args = spec[2].cast<py::tuple>();
+  Linear lin;
+  if (name == "fp32_linear") {
+    lin.kind = 0, lin.fn = entry_point(spec[1], name, kFp32Signature);
+  } else if (name == "int8_linear") {
+    lin.kind = 1, lin.fn = entry_point(spec[1], name, kInt8Signature);
+  } else if (name == "int4_linear") {
+    lin.kind = 2, lin.fn = entry_point(spec[1], name, kInt4Signature);
+  } else {
+    TORCH_CHECK(false, "decode layers: unknown linear kernel ", name);
+  }
+  TORCH_CHECK(args.size() == size_t(lin.kind + 2), "decode layers: ", name, " operands");
+  for (size_t i = 0; i + 1 < args.size(); i++) lin.w.push_back(args[i].cast<Tensor>());
+  lin.n = args[args.size() - 1].cast<int64_t>();
+  return lin;
+}
+
+class DecodeLayers {
+ public:
+  // layers: the Python loop's tuples (i, heads, kv_heads, qkv, o, gate_up, down, post_w,
+  // post_eps, next_w, next_eps), each linear (name, (address, signature), operands) of a
+  // woq_cpu.cpp function (woq.py's kernel_entry);
+  // k_buffers, v_buffers: the pool's per-layer tensors; attention: attn_cpu.cpp's
+  // entry_points()["decode_attention"]; lanes: FusedOps' sum and SiLU widths
+  DecodeLayers(const py::list& layers, const std::vector<Tensor>& k_buffers,
+               const std::vector<Tensor>& v_buffers, const py::object& attention,
+               int64_t sum_lanes, int64_t silu_lanes)
+      : attention_(reinterpret_cast<AttentionFn>(
+            entry_point(attention, "decode_attention", kAttentionSignature))),
+        sum_lanes_(sum_lanes),
+        silu_lanes_(silu_lanes) {
+    check_lanes(sum_lanes);
+    check_lanes(silu_lanes);
+    for (const auto& item : layers) {
+      const py::tuple t = item.cast<py::tuple>();
+      TORCH_CHECK(t.size() == 11, "decode layers: a layer is an 11-tuple");
+      Layer l;
+      const int64_t i = t[0].cast<int64_t>();
+      TORCH_CHECK(i >= 0 && i < int64_t(k_buffers.size()) && i < int64_t(v_buffers.size()),
+                  "decode layers: layer index out of the pool");
+      l.heads = t[1].cast<int64_t>(), l.kv_heads = t[2].cast<int64_t>();
+      TORCH_CHECK(l.kv_heads > 0 && l.heads % l.kv_heads == 0, "decode layers: heads");
+      l.qkv = make_linear(t[3].cast<py::tuple>());
+      l.o = make_linear(t[4].cast<py::tuple>());
+      l.gate_up = make_linear(t[5].cast<py::tuple>());
+      l.down = make_linear(t[6].cast<py::tuple>());
+      l.post_w = t[7].cast<Tensor>(), l.post_eps = t[8].cast<double>();
+      l.next_w = t[9].cast<Tensor>(), l.next_eps = t[10].cast<double>();
+      l.k_buffer = k_buffers[i], l.v_buffer = v_buffers[i];
+      layers_.push_back(std::move(l));
+    }
+  }
+
+  // x: the residual stream [T, hidden] (updated in place), h: the first layer's normed input;
+  // returns the last layer's normed output (the final norm's). slots, lens, scale: the decode
+  // attention's (attn_cpu.cpp decode_attention) for this batch.
+  Tensor run(Tensor x, Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& loc,
+             const Tensor& slots, const Tensor& lens, double scale) const {
+    for (const Layer& l : layers_) {
+      Tensor kb = l.k_buffer, vb = l.v_buffer;
+      const Tensor q = rope_store_kv(l.qkv(h), cos, sin, kb, vb, loc, l.heads, l.kv_heads);
+      const int64_t T = q.size(0), D = q.size(2);
+      const Tensor qg = q.view({T, l.kv_heads, l.heads / l.kv_heads, D});
+      const Tensor a = attention_(qg, kb, vb, slots, lens, scale)[0].view({T, -1});
+      h = add_rms_norm_(x, l.o(a), l.post_w, l.post_eps, sum_lanes_);
+      const Tensor m = l.down(silu_mul(l.gate_up(h), silu_lanes_));
+      h = add_rms_norm_(x, m, l.next_w, l.next_eps, sum_lanes_);
+    }
+    return h;
+  }
+
+  int64_t size() const { return layers_.size(); }
+
+ private:
+  std::vector<Layer> layers_;
+  AttentionFn attention_;
+  int64_t sum_lanes_, silu_lanes_;
+};
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * weight over the rows of x");
   m.def("add_rms_norm_", &add_rms_norm_,
@@ -493,4 +636,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2 I] gate_up block");
   m.def("max_argmax", &max_argmax, "(amax, argmax) of each row of [B, V] float32 logits");
   m.attr("vector_width") = W;
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<const py::list&, const std::vector<torch::Tensor>&,
+                    const std::vector<torch::Tensor>&, const py::object&, int64_t, int64_t>())
+      .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>(),
+           "the decoder layers of one decode forward; returns the final normed hidden rows")
+      .def("__len__", &DecodeLayers::size);
 }

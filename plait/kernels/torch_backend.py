@@ -107,12 +107,12 @@ class TorchAttnBackend(AttentionBackend):
         else:
             plan_extend(meta)
 
-    def layer_attention(self, kv_pool: KVPool, meta: AttentionMetadata):
-        """attend(q [T, H, D], layer_id) -> [T, H * D] for a forward whose K/V are stored
-        already: the model's lean CPU loop calls it once a layer. A decode batch without
-        shared prefixes goes straight to attn_cpu.cpp (the plan, checks and views of forward
-        are done once here, not 30 times); anything else through forward."""
-        if (
+    def decode_kernel_operands(self, kv_pool: KVPool, meta: AttentionMetadata):
+        """(kernel, slots, lens, scaling) when this forward's attention can go straight to
+        attn_cpu.cpp's decode_attention (a decode batch without shared prefixes, fp32
+        contiguous pools, the kernel built): out, lse = kernel.decode_attention(q [B, Hkv, G, D],
+        k_buffer[layer], v_buffer[layer], slots, lens, scaling). Else None."""
+        if not (
             meta.mode is ForwardMode.DECODE
             and self.use_cpu_kernel
             and self.head_dim % 8 == 0
@@ -120,20 +120,33 @@ class TorchAttnBackend(AttentionBackend):
             and kv_pool.k_buffer[0].is_contiguous()
             and kv_pool.v_buffer[0].is_contiguous()
         ):
-            kernel = decode_kernel()
-            plan = plan_decode(meta)
-            if kernel is not None and not plan.groups:
-                kb, vb, scaling = kv_pool.k_buffer, kv_pool.v_buffer, self.scaling
-                slots, lens = plan.suffix_slots, plan.suffix_lens
-                num_kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+            return None
+        kernel = decode_kernel()
+        if kernel is None:
+            return None
+        plan = plan_decode(meta)
+        if plan.groups:
+            return None
+        return kernel, plan.suffix_slots, plan.suffix_lens, self.scaling
 
-                def attend_decode(q: torch.Tensor, layer_id: int) -> torch.Tensor:
-                    qg = q.view(q.shape[0], num_kv, group, q.shape[2])
-                    out, _ = kernel.decode_attention(qg, kb[layer_id], vb[layer_id], slots, lens,
-                                                     scaling)
-                    return out.view(q.shape[0], -1)
+    def layer_attention(self, kv_pool: KVPool, meta: AttentionMetadata):
+        """attend(q [T, H, D], layer_id) -> [T, H * D] for a forward whose K/V are stored
+        already: the model's lean CPU loop calls it once a layer. A decode batch without
+        shared prefixes goes straight to attn_cpu.cpp (the plan, checks and views of forward
+        are done once here, not 30 times); anything else through forward."""
+        direct = self.decode_kernel_operands(kv_pool, meta)
+        if direct is not None:
+            kernel, slots, lens, scaling = direct
+            kb, vb = kv_pool.k_buffer, kv_pool.v_buffer
+            num_kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
 
-                return attend_decode
+            def attend_decode(q: torch.Tensor, layer_id: int) -> torch.Tensor:
+                qg = q.view(q.shape[0], num_kv, group, q.shape[2])
+                out, _ = kernel.decode_attention(qg, kb[layer_id], vb[layer_id], slots, lens,
+                                                 scaling)
+                return out.view(q.shape[0], -1)
+
+            return attend_decode
 
         def attend(q: torch.Tensor, layer_id: int) -> torch.Tensor:
             return self.forward(q, None, None, layer_id, kv_pool, meta).reshape(q.shape[0], -1)

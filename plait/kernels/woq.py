@@ -384,6 +384,18 @@ def quantize_linears(model: nn.Module, linear_cls: type[_PanelLinear]) -> int:
     return replaced
 
 
+def kernel_entry(call: tuple) -> tuple:
+    """A linear's kernel_call (fn, operands) as (name, (address, signature), operands): the
+    form fused_cpu.cpp's DecodeLayers calls it in, from the entry points of the kernel module
+    that fn belongs to."""
+    fn, operands = call
+    name = fn.__name__
+    for module in {id(m): m for m in (*_ext.values(), _linear_ops) if m is not None}.values():
+        if getattr(module, name, None) is fn:
+            return name, module.entry_points()[name], operands
+    raise ValueError(f"{name} is not a loaded woq kernel")
+
+
 # ----------------------------------------------------------------------------- background load
 _linear_ops: ModuleType | None = None  # the kernels PanelLinear runs on, once loaded
 

@@ -896,4 +896,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale[:, None]).T, q in 32-feature panels");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min, group 32).T, 32-feature panels");
   m.attr("isa") = kIsa;
+  // (address, signature) of each linear for fused_cpu.cpp's DecodeLayers, which calls them
+  // directly (the signatures are checked there)
+  m.def("entry_points", []() {
+    py::dict d;
+    d["fp32_linear"] = std::make_pair(reinterpret_cast<int64_t>(&fp32_linear),
+                                      std::string("Tensor(Tensor x, Tensor w, int64 N)"));
+    d["int8_linear"] = std::make_pair(reinterpret_cast<int64_t>(&int8_linear),
+                                      std::string("Tensor(Tensor x, Tensor w, Tensor scale, int64 N)"));
+    d["int4_linear"] = std::make_pair(
+        reinterpret_cast<int64_t>(&int4_linear),
+        std::string("Tensor(Tensor x, Tensor w, Tensor scale, Tensor mins, int64 N)"));
+    return d;
+  });
 }

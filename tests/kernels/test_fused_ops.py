@@ -165,3 +165,33 @@ def test_max_argmax_is_amax_and_argmax(ops, n):
         assert idx.dtype == torch.int64 and mx.dtype == torch.float32
         assert torch.equal(idx, t.argmax(dim=-1)), (idx, t.argmax(dim=-1))
         assert torch.allclose(mx, t.amax(dim=-1), rtol=0, atol=0, equal_nan=True)
+
+
+def test_decode_layers_refuses_an_entry_point_of_another_signature(ops):
+    """DecodeLayers calls the linear and attention kernels through exported addresses: each
+    comes with its signature, and one that is not the expected one is refused by name."""
+    from plait.kernels import woq
+    from plait.kernels.cpu_attention import decode_kernel, start_decode_kernel
+
+    assert start_decode_kernel(block=True) and woq.start_linear_kernels(block=True)
+    linear = woq.PanelLinear(torch.randn(64, 32))
+    fn, operands = linear.kernel_call()
+    name, (address, signature), _ = woq.kernel_entry((fn, operands))
+    assert name == "fp32_linear"
+    pool = [torch.zeros(8, 1, 32)]
+    attention = decode_kernel().entry_points()["decode_attention"]
+    norm = torch.ones(32)
+
+    def layers(entry):
+        spec = (name, entry, operands)
+        return [(0, 1, 1, spec, spec, spec, spec, norm, 1e-6, norm, 1e-6)]
+
+    assert len(ops.module.DecodeLayers(layers((address, signature)), pool, pool, attention, 8,
+                                       8)) == 1
+    with pytest.raises(RuntimeError, match="entry point fp32_linear: signature"):
+        ops.module.DecodeLayers(layers((address, "Tensor(Tensor x)")), pool, pool, attention, 8, 8)
+    with pytest.raises(RuntimeError, match="entry point decode_attention: signature"):
+        ops.module.DecodeLayers(layers((address, signature)), pool, pool, (attention[0], "?"), 8,
+                                8)
+    with pytest.raises(ValueError, match="not a loaded woq kernel"):
+        woq.kernel_entry((torch.mm, operands))

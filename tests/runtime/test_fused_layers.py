@@ -147,3 +147,57 @@ def test_lean_layer_loop_gives_the_module_paths_logits(checkpoint, ops, monkeypa
         assert lean_out == module_out
         for step, (a, b) in enumerate(zip(lean_logits, module_logits, strict=True)):
             assert torch.equal(a, b), f"forward {step}: logits differ by {(a - b).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypatch, quantization):
+    """fused_cpu.cpp's DecodeLayers (the lean loop as one C++ call) against _forward_lean's
+    Python loop, bit for bit: plain decode batches run it (counted), shared-prefix decodes and
+    extends keep the Python loop."""
+    from plait.kernels import woq
+    from plait.kernels.cpu_attention import start_decode_kernel
+    from plait.kernels.cpu_extend import start_extend_kernel
+    from plait.models.llama import LlamaForCausalLM
+
+    start_decode_kernel(block=True)
+    start_extend_kernel(block=True)
+    assert woq.start_linear_kernels(block=True)
+    runs = []
+    decode_layers = LlamaForCausalLM._decode_layers
+
+    class Counted:
+        def __init__(self, decoder):
+            self.decoder = decoder
+
+        def run(self, *args):
+            runs.append(args[0].shape[0])  # the batch
+            return self.decoder.run(*args)
+
+    def counted(self, *args):
+        decoder = decode_layers(self, *args)
+        return None if decoder is None else Counted(decoder)
+
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_layers", counted)
+    path = checkpoint("tiny-llama")
+    distinct = [[(97 * i + 31 * j) % 8000 + 100 for j in range(40 + i)] for i in range(5)]
+    shared = make_prompts(8, 8192, seed=5)
+    args = dict(max_total_tokens=4096, chunked_prefill_size=64, num_threads=2,
+                quantization=quantization)
+    for prompts in (distinct, shared):
+        runs.clear()
+        cpp_out, cpp_logits = run(path, prompts, 10, **args)
+        # the distinct prompts' decode forwards (the whole batch, then what is left of it
+        # as requests end), none of the shared-prefix batch's (its attention merges the
+        # prefix through the backend)
+        if prompts is distinct:
+            assert runs and runs[0] == len(prompts) and runs == sorted(runs, reverse=True), runs
+        else:
+            assert runs == []
+        used = len(runs)
+        monkeypatch.setattr(LlamaForCausalLM, "use_cpp_layer_loop", False)
+        py_out, py_logits = run(path, prompts, 10, **args)
+        monkeypatch.setattr(LlamaForCausalLM, "use_cpp_layer_loop", True)
+        assert len(runs) == used, "use_cpp_layer_loop = False still ran the C++ loop"
+        assert cpp_out == py_out
+        for step, (a, b) in enumerate(zip(cpp_logits, py_logits, strict=True)):
+            assert torch.equal(a, b), f"forward {step}: logits differ by {(a - b).abs().max():.3g}"
