@@ -26,7 +26,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } 2>&1 | tee "$OUT/env.log"
 if [[ ,$STAGES, == *,tests,* ]]; then
 t0=$SECONDS
-timeout "${PYTEST_TIMEOUT:-130}" python3 -m pytest -v --tb=short -p no:cacheprovider -o addopts="" \
+timeout "${PYTEST_TIMEOUT:-330}" python3 -m pytest -v --tb=short -p no:cacheprovider -o addopts="" \
   tests/kernels/test_cuda_graph.py tests/kernels/test_triton_attention.py \
   tests/kernels/test_engine_triton.py -k "not compile_for_hopper" 2>&1 | tee "$OUT/pytest.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
 echo "pytest: $((SECONDS - t0)) s" | tee -a "$OUT/env.log"
