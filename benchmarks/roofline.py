@@ -308,8 +308,10 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
                     note += "; quantized: memory bound only (no fp32 GEMM-peak bound)"
                 rows.append(_row(f"llama.cpp ({Path(g).name})", b, step, bound, note=note,
                                  bandwidth_bytes_s=bw, gemm_peak_flops=peak))
-    return {"model": model, "context": context, "steps": steps, "repeats": repeats,
-            "bandwidth_bytes_s": bandwidth, "read_bandwidths_bytes_s": reads,
+    from benchmarks.run import _git
+
+    return {"model": model, "git": _git(), "context": context, "steps": steps,
+            "repeats": repeats, "bandwidth_bytes_s": bandwidth, "read_bandwidths_bytes_s": reads,
             "copy_bandwidth_bytes_s": copied, "gemm_flops": gemms,
             "gemm_peak_flops": max(gemms.values()),
             "threads": torch.get_num_threads(), "rows": rows}
