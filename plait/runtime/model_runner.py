@@ -250,22 +250,33 @@ class ModelRunner:
         slots already written to req_to_token)."""
         positions, out_loc, starts = [], [], []
         seq_lens = inputs.seq_lens
-        offset = 0
-        for idx, start, end in zip(inputs.req_pool_indices, inputs.prefix_lens, seq_lens):
-            positions.extend(range(start, end))
-            starts.append(offset)
-            offset += end - start
-            out_loc.append(self.req_to_token_pool.read(idx, end, start))
+        table = self.req_to_token_pool.req_to_token
         dev = self.device
+        pool_indices = torch.tensor(inputs.req_pool_indices, dtype=torch.int64, device=dev)
+        if all(end - start == 1 for start, end in zip(inputs.prefix_lens, seq_lens)):
+            # one new token a request (decode): its slot is one entry per row, one gather for
+            # the batch instead of a slice per request and a cat (~1 ms at batch 32 on the CPU)
+            positions = list(inputs.prefix_lens)
+            starts = list(range(len(seq_lens)))
+            last = torch.tensor(positions, dtype=torch.int64, device=table.device)
+            out_cache_loc = table[pool_indices.to(table.device), last].to(torch.int64)
+        else:
+            offset = 0
+            for idx, start, end in zip(inputs.req_pool_indices, inputs.prefix_lens, seq_lens):
+                positions.extend(range(start, end))
+                starts.append(offset)
+                offset += end - start
+                out_loc.append(self.req_to_token_pool.read(idx, end, start))
+            out_cache_loc = torch.cat(out_loc)
         meta = AttentionMetadata(
             mode=inputs.mode,
-            req_to_token=self.req_to_token_pool.req_to_token,
-            req_pool_indices=torch.tensor(inputs.req_pool_indices, dtype=torch.int64, device=dev),
+            req_to_token=table,
+            req_pool_indices=pool_indices,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             prefix_lens=torch.tensor(inputs.prefix_lens, dtype=torch.int32, device=dev),
             extend_lens=torch.tensor(inputs.extend_lens, dtype=torch.int32, device=dev),
             extend_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            out_cache_loc=torch.cat(out_loc).to(dev),
+            out_cache_loc=out_cache_loc.to(dev),
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=list(inputs.prefix_lens),
             extend_lens_cpu=list(inputs.extend_lens),
