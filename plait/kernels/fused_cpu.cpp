@@ -567,9 +567,9 @@ class DecodeLayers {
  public:
   // layers: the Python loop's tuples (i, heads, kv_heads, qkv, o, gate_up, down, post_w,
   // post_eps, next_w, next_eps), each linear (name, (address, signature), operands) of a
-  // woq_cpu.cpp function (woq.py's kernel_entry);
-  // k_buffers, v_buffers: the pool's per-layer tensors; attention: attn_cpu.cpp's
-  // entry_points()["decode_attention"]; lanes: FusedOps' sum and SiLU widths
+  // woq_cpu.cpp function (woq.py's kernel_entry); k_buffers, v_buffers: the pool's per-layer
+  // tensors; attention: attn_cpu.cpp's entry_points()["decode_attention"]; lanes: FusedOps'
+  // sum and SiLU widths
   DecodeLayers(const py::list& layers, const std::vector<Tensor>& k_buffers,
                const std::vector<Tensor>& v_buffers, const py::object& attention,
                int64_t sum_lanes, int64_t silu_lanes)

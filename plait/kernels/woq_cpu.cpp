@@ -902,8 +902,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::dict d;
     d["fp32_linear"] = std::make_pair(reinterpret_cast<int64_t>(&fp32_linear),
                                       std::string("Tensor(Tensor x, Tensor w, int64 N)"));
-    d["int8_linear"] = std::make_pair(reinterpret_cast<int64_t>(&int8_linear),
-                                      std::string("Tensor(Tensor x, Tensor w, Tensor scale, int64 N)"));
+    d["int8_linear"] = std::make_pair(
+        reinterpret_cast<int64_t>(&int8_linear),
+        std::string("Tensor(Tensor x, Tensor w, Tensor scale, int64 N)"));
     d["int4_linear"] = std::make_pair(
         reinterpret_cast<int64_t>(&int4_linear),
         std::string("Tensor(Tensor x, Tensor w, Tensor scale, Tensor mins, int64 N)"));
