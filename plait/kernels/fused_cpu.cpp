@@ -32,6 +32,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <cstring>
@@ -563,6 +564,29 @@ Linear make_linear(const py::tuple& spec) {
   return lin;
 }
 
+enum Kernel { kQkv, kRope, kAttention, kO, kNorm, kGateUp, kSilu, kDown, kKernels };
+constexpr const char* kKernelNames[kKernels] = {
+    "qkv_proj", "rope_store_kv", "attention", "o_proj", "add_rms_norm", "gate_up_proj",
+    "silu_mul", "down_proj"};
+
+// Adds the time since its last tick to seconds[kernel] (nothing when seconds is null).
+class Clock {
+ public:
+  explicit Clock(double* seconds) : seconds_(seconds) {
+    if (seconds_) last_ = std::chrono::steady_clock::now();
+  }
+  void tick(Kernel kernel) {
+    if (!seconds_) return;
+    const auto now = std::chrono::steady_clock::now();
+    seconds_[kernel] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  double* seconds_;
+  std::chrono::steady_clock::time_point last_;
+};
+
 class DecodeLayers {
  public:
   // layers: the Python loop's tuples (i, heads, kv_heads, qkv, o, gate_up, down, post_w,
@@ -603,19 +627,44 @@ class DecodeLayers {
   // returns the last layer's normed output (the final norm's). slots, lens, scale: the decode
   // attention's (attn_cpu.cpp decode_attention) for this batch.
   Tensor run(Tensor x, Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& loc,
-             const Tensor& slots, const Tensor& lens, double scale) const {
+             const Tensor& slots, const Tensor& lens, double scale) {
+    Clock clock(timing_ ? seconds_ : nullptr);
     for (const Layer& l : layers_) {
       Tensor kb = l.k_buffer, vb = l.v_buffer;
-      const Tensor q = rope_store_kv(l.qkv(h), cos, sin, kb, vb, loc, l.heads, l.kv_heads);
+      const Tensor qkv = l.qkv(h);
+      clock.tick(kQkv);
+      const Tensor q = rope_store_kv(qkv, cos, sin, kb, vb, loc, l.heads, l.kv_heads);
+      clock.tick(kRope);
       const int64_t T = q.size(0), D = q.size(2);
       const Tensor qg = q.view({T, l.kv_heads, l.heads / l.kv_heads, D});
       const Tensor a = attention_(qg, kb, vb, slots, lens, scale)[0].view({T, -1});
-      h = add_rms_norm_(x, l.o(a), l.post_w, l.post_eps, sum_lanes_);
-      const Tensor m = l.down(silu_mul(l.gate_up(h), silu_lanes_));
+      clock.tick(kAttention);
+      const Tensor o = l.o(a);
+      clock.tick(kO);
+      h = add_rms_norm_(x, o, l.post_w, l.post_eps, sum_lanes_);
+      clock.tick(kNorm);
+      const Tensor gate_up = l.gate_up(h);
+      clock.tick(kGateUp);
+      const Tensor act = silu_mul(gate_up, silu_lanes_);
+      clock.tick(kSilu);
+      const Tensor m = l.down(act);
+      clock.tick(kDown);
       h = add_rms_norm_(x, m, l.next_w, l.next_eps, sum_lanes_);
+      clock.tick(kNorm);
     }
     return h;
   }
+
+  // Per-kernel wall time, summed over the runs since the last reset while timing is on
+  // (benchmarks/layer_split.py): {kernel: seconds}. Off by default (a clock read between
+  // kernels, ~20 ns each, when on).
+  void set_timing(bool on) { timing_ = on; }
+  py::dict timings() const {
+    py::dict d;
+    for (int i = 0; i < kKernels; i++) d[kKernelNames[i]] = seconds_[i];
+    return d;
+  }
+  void reset_timings() { std::fill(seconds_, seconds_ + kKernels, 0.0); }
 
   int64_t size() const { return layers_.size(); }
 
@@ -623,6 +672,8 @@ class DecodeLayers {
   std::vector<Layer> layers_;
   AttentionFn attention_;
   int64_t sum_lanes_, silu_lanes_;
+  bool timing_ = false;
+  double seconds_[kKernels] = {};
 };
 
 }  // namespace
@@ -641,5 +692,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     const std::vector<torch::Tensor>&, const py::object&, int64_t, int64_t>())
       .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>(),
            "the decoder layers of one decode forward; returns the final normed hidden rows")
+      .def("set_timing", &DecodeLayers::set_timing, "time each kernel (off by default)")
+      .def("timings", &DecodeLayers::timings, "{kernel: seconds} since the last reset")
+      .def("reset_timings", &DecodeLayers::reset_timings)
       .def("__len__", &DecodeLayers::size);
 }
