@@ -570,13 +570,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "merge a shared prefix's (out, lse) into its members' rows of (out, lse), in place");
   m.def("decode_attention", &decode_attention,
         "q [B, Hkv, R, D] over the pool rows slots[b, :lens[b]] -> (out, lse)");
-  // (address, signature) for fused_cpu.cpp's DecodeLayers, which calls it directly
+  // (address, signature) for fused_cpu.cpp's DecodeLayers, which calls them directly
   m.def("entry_points", []() {
     py::dict d;
     d["decode_attention"] = std::make_pair(
         reinterpret_cast<int64_t>(&decode_attention),
         std::string("Tensor[](Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, "
                     "Tensor lens, float scale)"));
+    d["merge_prefix"] = std::make_pair(
+        reinterpret_cast<int64_t>(&merge_prefix),
+        std::string("(Tensor out, Tensor lse, Tensor members, Tensor p_out, Tensor p_lse)"));
     return d;
   });
 #if defined(__AVX512F__)

@@ -36,6 +36,7 @@
 #include <cmath>
 #include <limits>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -503,6 +504,7 @@ using Fp32LinearFn = Tensor (*)(Tensor, Tensor, int64_t);
 using Int8LinearFn = Tensor (*)(Tensor, Tensor, Tensor, int64_t);
 using Int4LinearFn = Tensor (*)(Tensor, Tensor, Tensor, Tensor, int64_t);
 using AttentionFn = std::vector<Tensor> (*)(Tensor, Tensor, Tensor, Tensor, Tensor, double);
+using MergeFn = void (*)(Tensor, Tensor, Tensor, Tensor, Tensor);
 
 // the signature each entry point is exported with (woq_cpu.cpp, attn_cpu.cpp)
 constexpr const char* kFp32Signature = "Tensor(Tensor x, Tensor w, int64 N)";
@@ -511,6 +513,8 @@ constexpr const char* kInt4Signature =
     "Tensor(Tensor x, Tensor w, Tensor scale, Tensor mins, int64 N)";
 constexpr const char* kAttentionSignature =
     "Tensor[](Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, Tensor lens, float scale)";
+constexpr const char* kMergeSignature =
+    "(Tensor out, Tensor lse, Tensor members, Tensor p_out, Tensor p_lse)";
 
 // an exported (address, signature) pair, its signature checked
 void* entry_point(const py::handle& entry, const std::string& name, const char* signature) {
@@ -592,13 +596,15 @@ class DecodeLayers {
   // layers: the Python loop's tuples (i, heads, kv_heads, qkv, o, gate_up, down, post_w,
   // post_eps, next_w, next_eps), each linear (name, (address, signature), operands) of a
   // woq_cpu.cpp function (woq.py's kernel_entry); k_buffers, v_buffers: the pool's per-layer
-  // tensors; attention: attn_cpu.cpp's entry_points()["decode_attention"]; lanes: FusedOps'
-  // sum and SiLU widths
+  // tensors; attention: attn_cpu.cpp's entry_points() (decode_attention, merge_prefix);
+  // lanes: FusedOps' sum and SiLU widths
   DecodeLayers(const py::list& layers, const std::vector<Tensor>& k_buffers,
-               const std::vector<Tensor>& v_buffers, const py::object& attention,
+               const std::vector<Tensor>& v_buffers, const py::dict& attention,
                int64_t sum_lanes, int64_t silu_lanes)
-      : attention_(reinterpret_cast<AttentionFn>(
-            entry_point(attention, "decode_attention", kAttentionSignature))),
+      : attention_(reinterpret_cast<AttentionFn>(entry_point(
+            attention["decode_attention"], "decode_attention", kAttentionSignature))),
+        merge_(reinterpret_cast<MergeFn>(
+            entry_point(attention["merge_prefix"], "merge_prefix", kMergeSignature))),
         sum_lanes_(sum_lanes),
         silu_lanes_(silu_lanes) {
     check_lanes(sum_lanes);
@@ -625,9 +631,13 @@ class DecodeLayers {
 
   // x: the residual stream [T, hidden] (updated in place), h: the first layer's normed input;
   // returns the last layer's normed output (the final norm's). slots, lens, scale: the decode
-  // attention's (attn_cpu.cpp decode_attention) for this batch.
+  // attention's (attn_cpu.cpp decode_attention) for this batch, each request's KV after its
+  // shared prefix if it has one; groups: the shared prefixes (cpu_attention.py's
+  // PrefixGroup), each (members [n], slots [1, P], lens [1]): the members' query rows attend
+  // the prefix in one call and merge into their rows, as decode_attention_cpu does.
   Tensor run(Tensor x, Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& loc,
-             const Tensor& slots, const Tensor& lens, double scale) {
+             const Tensor& slots, const Tensor& lens, double scale,
+             const std::vector<std::tuple<Tensor, Tensor, Tensor>>& groups) {
     Clock clock(timing_ ? seconds_ : nullptr);
     for (const Layer& l : layers_) {
       Tensor kb = l.k_buffer, vb = l.v_buffer;
@@ -637,7 +647,15 @@ class DecodeLayers {
       clock.tick(kRope);
       const int64_t T = q.size(0), D = q.size(2);
       const Tensor qg = q.view({T, l.kv_heads, l.heads / l.kv_heads, D});
-      const Tensor a = attention_(qg, kb, vb, slots, lens, scale)[0].view({T, -1});
+      const std::vector<Tensor> attended = attention_(qg, kb, vb, slots, lens, scale);
+      for (const auto& [members, prefix_slots, prefix_lens] : groups) {
+        // the members' query rows per kv head, member-major: [1, Hkv, n * G, D]
+        const Tensor qs = qg.index_select(0, members).transpose(0, 1).reshape(
+            {1, l.kv_heads, members.size(0) * (l.heads / l.kv_heads), D});
+        const std::vector<Tensor> p = attention_(qs, kb, vb, prefix_slots, prefix_lens, scale);
+        merge_(attended[0], attended[1], members, p[0], p[1]);
+      }
+      const Tensor a = attended[0].view({T, -1});
       clock.tick(kAttention);
       const Tensor o = l.o(a);
       clock.tick(kO);
@@ -671,6 +689,7 @@ class DecodeLayers {
  private:
   std::vector<Layer> layers_;
   AttentionFn attention_;
+  MergeFn merge_;
   int64_t sum_lanes_, silu_lanes_;
   bool timing_ = false;
   double seconds_[kKernels] = {};
@@ -689,7 +708,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_width") = W;
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<const py::list&, const std::vector<torch::Tensor>&,
-                    const std::vector<torch::Tensor>&, const py::object&, int64_t, int64_t>())
+                    const std::vector<torch::Tensor>&, const py::dict&, int64_t, int64_t>())
       .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>(),
            "the decoder layers of one decode forward; returns the final normed hidden rows")
       .def("set_timing", &DecodeLayers::set_timing, "time each kernel (off by default)")

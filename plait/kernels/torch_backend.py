@@ -108,10 +108,12 @@ class TorchAttnBackend(AttentionBackend):
             plan_extend(meta)
 
     def decode_kernel_operands(self, kv_pool: KVPool, meta: AttentionMetadata):
-        """(kernel, slots, lens, scaling) when this forward's attention can go straight to
-        attn_cpu.cpp's decode_attention (a decode batch without shared prefixes, fp32
-        contiguous pools, the kernel built): out, lse = kernel.decode_attention(q [B, Hkv, G, D],
-        k_buffer[layer], v_buffer[layer], slots, lens, scaling). Else None."""
+        """(kernel, slots, lens, scaling, groups) when this forward's attention can go
+        straight to attn_cpu.cpp (a decode batch, fp32 contiguous pools, the kernel built):
+        out, lse = kernel.decode_attention(q [B, Hkv, G, D], k_buffer[layer], v_buffer[layer],
+        slots, lens, scaling) over each request's KV after its shared prefix, then for each
+        (members, prefix slots [1, P], prefix lens [1]) in groups the members' rows against the
+        prefix, merged in (decode_attention_cpu's steps). Else None."""
         if not (
             meta.mode is ForwardMode.DECODE
             and self.use_cpu_kernel
@@ -125,9 +127,8 @@ class TorchAttnBackend(AttentionBackend):
         if kernel is None:
             return None
         plan = plan_decode(meta)
-        if plan.groups:
-            return None
-        return kernel, plan.suffix_slots, plan.suffix_lens, self.scaling
+        groups = [(g.members, *g.kernel_slots) for g in plan.groups]
+        return kernel, plan.suffix_slots, plan.suffix_lens, self.scaling, groups
 
     def layer_attention(self, kv_pool: KVPool, meta: AttentionMetadata):
         """attend(q [T, H, D], layer_id) -> [T, H * D] for a forward whose K/V are stored
@@ -135,8 +136,8 @@ class TorchAttnBackend(AttentionBackend):
         shared prefixes goes straight to attn_cpu.cpp (the plan, checks and views of forward
         are done once here, not 30 times); anything else through forward."""
         direct = self.decode_kernel_operands(kv_pool, meta)
-        if direct is not None:
-            kernel, slots, lens, scaling = direct
+        if direct is not None and not direct[4]:  # (shared prefixes: through forward)
+            kernel, slots, lens, scaling, _ = direct
             kb, vb = kv_pool.k_buffer, kv_pool.v_buffer
             num_kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
 

@@ -312,8 +312,8 @@ class LlamaForCausalLM(nn.Module):
         if decoder is not None:
             direct = backend.decode_kernel_operands(kv_pool, meta)
             if direct is not None:
-                _, slots, lens, scaling = direct
-                return decoder.run(x, h, cos, sin, loc, slots, lens, scaling)
+                _, slots, lens, scaling, groups = direct
+                return decoder.run(x, h, cos, sin, loc, slots, lens, scaling, groups)
         kb, vb = kv_pool.k_buffer, kv_pool.v_buffer
         attend = backend.layer_attention(kv_pool, meta)
         for (i, heads, kv_heads, (qkv, qkv_w), (o, o_w), (gu, gu_w), (down, d_w),
@@ -331,7 +331,7 @@ class LlamaForCausalLM(nn.Module):
     def _decode_layers(self, kv_pool: KVPool, ops: FusedOps, lean: list[tuple]):
         """_forward_lean's loop as one C++ call (fused_cpu.cpp's DecodeLayers: the same
         kernels in the same order, so the same results) for decode batches whose attention goes
-        straight to attn_cpu.cpp; built once per pool, None until the attention kernel is
+        straight to attn_cpu.cpp (shared prefixes included); built once per pool, None until the attention kernel is
         loaded. It saves SmolLM2's ~270 Python calls a step (batch 1 1.03-1.08x, batch 8 1.1x
         on the AVX2 VM: the README's measured sections)."""
         if self._decoder is not None and self._decoder[0] == id(kv_pool):
@@ -342,8 +342,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         layers = [(*layer[:3], *(woq.kernel_entry(c) for c in layer[3:7]), *layer[7:])
                   for layer in lean]
-        decoder = cls(layers, kv_pool.k_buffer, kv_pool.v_buffer,
-                      kernel.entry_points()["decode_attention"], ops.sum_lanes, ops.silu_lanes)
+        decoder = cls(layers, kv_pool.k_buffer, kv_pool.v_buffer, kernel.entry_points(),
+                      ops.sum_lanes, ops.silu_lanes)
         self._decoder = (id(kv_pool), decoder)
         return decoder
 

@@ -179,7 +179,7 @@ def test_decode_layers_refuses_an_entry_point_of_another_signature(ops):
     name, (address, signature), _ = woq.kernel_entry((fn, operands))
     assert name == "fp32_linear"
     pool = [torch.zeros(8, 1, 32)]
-    attention = decode_kernel().entry_points()["decode_attention"]
+    attention = decode_kernel().entry_points()
     norm = torch.ones(32)
 
     def layers(entry):
@@ -190,8 +190,9 @@ def test_decode_layers_refuses_an_entry_point_of_another_signature(ops):
                                        8)) == 1
     with pytest.raises(RuntimeError, match="entry point fp32_linear: signature"):
         ops.module.DecodeLayers(layers((address, "Tensor(Tensor x)")), pool, pool, attention, 8, 8)
-    with pytest.raises(RuntimeError, match="entry point decode_attention: signature"):
-        ops.module.DecodeLayers(layers((address, signature)), pool, pool, (attention[0], "?"), 8,
-                                8)
+    for name in ("decode_attention", "merge_prefix"):
+        wrong = {**attention, name: (attention[name][0], "?")}
+        with pytest.raises(RuntimeError, match=f"entry point {name}: signature"):
+            ops.module.DecodeLayers(layers((address, signature)), pool, pool, wrong, 8, 8)
     with pytest.raises(ValueError, match="not a loaded woq kernel"):
         woq.kernel_entry((torch.mm, operands))

@@ -152,8 +152,9 @@ def test_lean_layer_loop_gives_the_module_paths_logits(checkpoint, ops, monkeypa
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypatch, quantization):
     """fused_cpu.cpp's DecodeLayers (the lean loop as one C++ call) against _forward_lean's
-    Python loop, bit for bit: plain decode batches run it (counted), shared-prefix decodes and
-    extends keep the Python loop."""
+    Python loop, bit for bit: decode batches run it (counted), with and without shared prefixes
+    (their cascade attention: the prefix read once for its members, merged in C++); extends
+    keep the Python loop."""
     from plait.kernels import woq
     from plait.kernels.cpu_attention import start_decode_kernel
     from plait.kernels.cpu_extend import start_extend_kernel
@@ -170,7 +171,7 @@ def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypat
             self.decoder = decoder
 
         def run(self, *args):
-            runs.append(args[0].shape[0])  # the batch
+            runs.append((args[0].shape[0], len(args[-1])))  # (the batch, its prefix groups)
             return self.decoder.run(*args)
 
     def counted(self, *args):
@@ -186,13 +187,15 @@ def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypat
     for prompts in (distinct, shared):
         runs.clear()
         cpp_out, cpp_logits = run(path, prompts, 10, **args)
-        # the distinct prompts' decode forwards (the whole batch, then what is left of it
-        # as requests end), none of the shared-prefix batch's (its attention merges the
-        # prefix through the backend)
+        # every decode forward (the whole batch, then what is left of it as requests end);
+        # the shared prompts' with prefix groups, the distinct ones' without
+        batches = [b for b, _ in runs]
+        assert batches and batches[0] == len(prompts), runs
+        assert batches == sorted(batches, reverse=True), runs
         if prompts is distinct:
-            assert runs and runs[0] == len(prompts) and runs == sorted(runs, reverse=True), runs
+            assert all(g == 0 for _, g in runs), runs
         else:
-            assert runs == []
+            assert runs[0][1] > 0, runs
         used = len(runs)
         monkeypatch.setattr(LlamaForCausalLM, "use_cpp_layer_loop", False)
         py_out, py_logits = run(path, prompts, 10, **args)
