@@ -65,10 +65,9 @@ def run(path: str, prompts: list[list[int]], max_new: int, **server_args):
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_fused_layers_give_torchs_logits_bit_for_bit(checkpoint, calls, name):
+    from plait.kernels import woq
     from plait.kernels.cpu_attention import start_decode_kernel
     from plait.kernels.cpu_extend import start_extend_kernel
-
-    from plait.kernels import woq
 
     # both runs on the same attention and linear kernels: a scheduler runs torch's operators
     # until its background load of them ends, so run alone the first run's first forwards did
@@ -149,6 +148,30 @@ def test_lean_layer_loop_gives_the_module_paths_logits(checkpoint, ops, monkeypa
             assert torch.equal(a, b), f"forward {step}: logits differ by {(a - b).abs().max():.3g}"
 
 
+def count_cpp_loop_runs(monkeypatch) -> list[tuple[int, int]]:
+    """(batch, prefix groups) of every run of the C++ decode layer loop (DecodeLayers) from
+    here on, appended as they happen."""
+    from plait.models.llama import LlamaForCausalLM
+
+    runs: list[tuple[int, int]] = []
+    decode_layers = LlamaForCausalLM._decode_layers
+
+    class Counted:
+        def __init__(self, decoder):
+            self.decoder = decoder
+
+        def run(self, *args):
+            runs.append((args[0].shape[0], len(args[-1])))
+            return self.decoder.run(*args)
+
+    def counted(self, *args):
+        decoder = decode_layers(self, *args)
+        return None if decoder is None else Counted(decoder)
+
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_layers", counted)
+    return runs
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypatch, quantization):
     """fused_cpu.cpp's DecodeLayers (the lean loop as one C++ call) against _forward_lean's
@@ -163,22 +186,7 @@ def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypat
     start_decode_kernel(block=True)
     start_extend_kernel(block=True)
     assert woq.start_linear_kernels(block=True)
-    runs = []
-    decode_layers = LlamaForCausalLM._decode_layers
-
-    class Counted:
-        def __init__(self, decoder):
-            self.decoder = decoder
-
-        def run(self, *args):
-            runs.append((args[0].shape[0], len(args[-1])))  # (the batch, its prefix groups)
-            return self.decoder.run(*args)
-
-    def counted(self, *args):
-        decoder = decode_layers(self, *args)
-        return None if decoder is None else Counted(decoder)
-
-    monkeypatch.setattr(LlamaForCausalLM, "_decode_layers", counted)
+    runs = count_cpp_loop_runs(monkeypatch)
     path = checkpoint("tiny-llama")
     distinct = [[(97 * i + 31 * j) % 8000 + 100 for j in range(40 + i)] for i in range(5)]
     shared = make_prompts(8, 8192, seed=5)
