@@ -32,7 +32,10 @@
 // streaming fp32 weights with the hardware prefetcher alone got ~40 GB/s of this machine's
 // ~70; prefetching 16 KB ahead took SmolLM2's batch-1 linears 8.7 -> 6.9 ms, and spreading
 // the next panel's prefetch over the first two row tiles (instead of all of it from the
-// first) took batch 32 from 24 to 20 ms.
+// first) took batch 32 from 24 to 20 ms; over all of them, evenly (a core fetches ~12 GB/s
+// from memory on the Intel Xeon VM, and two tiles' worth of compute was too short to take a
+// panel at that rate: the third tile computed with the memory idle), 37.1 -> 32.1 ms for
+// SmolLM2's 30 layers of linears at batch 32 and 59.1 -> 50.7 at 64 on that VM.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -226,22 +229,32 @@ struct Int8Weights {  // q as floats; the per-feature scale is applied at the st
 
 struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 weights
   const float* w;
-  // software prefetch while reading input k: `lines` (0, 1 or 2) cache lines at pf + k * 16 * lines
+  // software prefetch while reading input k: `lines` (0, 1 or 2) cache lines at pf + k * 16 * lines;
+  // or, with `rate` > 0, line (k * rate) >> 16 of pf (rate / 65536 lines per input: a tile's
+  // share of the next panel spread evenly over its inputs)
   const float* pf = nullptr;
   int lines = 0;
+  int64_t rate = 0;
   struct Group {
     const float* w;
     const float* pf;
     int lines;
+    int64_t rate, k0;
     inline void pair(int64_t k, vf& w0, vf& w1) const {
-      if (lines > 0) _mm_prefetch((const char*)(pf + k * 16 * lines), _MM_HINT_T0);
-      if (lines > 1) _mm_prefetch((const char*)(pf + k * 32 + 16), _MM_HINT_T0);
+      if (rate > 0) {
+        _mm_prefetch((const char*)(pf + (((k0 + k) * rate) >> 16) * 16), _MM_HINT_T1);
+      } else {
+        if (lines > 0) _mm_prefetch((const char*)(pf + k * 16 * lines), _MM_HINT_T0);
+        if (lines > 1) _mm_prefetch((const char*)(pf + k * 32 + 16), _MM_HINT_T0);
+      }
       w0 = vload(w + k * kPanel);
       w1 = vload(w + k * kPanel + 16);
     }
   };
   inline Group group(int64_t k0, int h) const {
-    return {w + k0 * kPanel + h * W, pf ? pf + k0 * 16 * lines : nullptr, h == 0 ? lines : 0};
+    if (rate > 0) return {w + k0 * kPanel + h * W, pf, h == 0 ? 1 : 0, h == 0 ? rate : 0, k0};
+    return {w + k0 * kPanel + h * W, pf ? pf + k0 * 16 * lines : nullptr, h == 0 ? lines : 0, 0,
+            k0};
   }
 };
 
@@ -660,8 +673,8 @@ void panel_rows(const float* x, int64_t K, const Weights& wt, const Dest& d, int
 // fp32 panels: every row tile reads the panel itself, the first from memory, the others from
 // L2. The weights stream from memory with software prefetches: a single tile (up to
 // kScratchRows rows) reads ahead in its own stream (the panel's 32 floats, two cache lines,
-// per input k); with more tiles, the first two each fetch half of the next panel, so the
-// memory traffic spreads over the panel's tiles instead of bursting in the first.
+// per input k); with more tiles, each fetches its share of the next panel (into L2) evenly
+// over its inputs, so the memory traffic spreads over all of the panel's compute.
 void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Dest& d, int64_t r0,
                      int64_t r1, const float* next) {
   const int64_t tiles = (r1 - r0 + kScratchRows - 1) / kScratchRows;
@@ -672,9 +685,10 @@ void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Des
     if (tiles == 1) {
       w.pf = wt.w + kPrefetchFloats;
       w.lines = 2;
-    } else if (t < 2 && next) {
-      w.pf = next + t * K * 16;
-      w.lines = 1;
+    } else if (next) {
+      // tile t of T fetches lines [t 2K / T, (t + 1) 2K / T) of the next panel's 2K
+      w.pf = next + (t * 2 * K / tiles) * 16;
+      w.rate = ((int64_t(2) << 16) + tiles - 1) / tiles;
     }
     if constexpr (kHalves == 2) {  // AVX2: one or two rows take the whole panel in one pass
       if (rows <= 2) {
