@@ -105,9 +105,11 @@ def load_old_kernel(ref: str):
     ).stdout
     src = Path(tempfile.mkdtemp()) / "attn_cpu.cpp"
     src.write_text(text)
-    return load_extension(
-        "plait_attn_cpu", src, ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
-    )
+    from plait.kernels.cpu_attention import decode_kernel_flags, kernel_isa
+
+    # the same flags as today's kernel (its ISA, this CPU's prefetch choice): the old source
+    # against the new, nothing else
+    return load_extension("plait_attn_cpu", src, decode_kernel_flags(kernel_isa()), ["-fopenmp"])
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,9 @@
 //   block PREFETCH_AHEAD tokens on. Issued all at once (2 x 16 rows = ~400 lines) the
 //   prefetches overflow the core's miss buffers and are lost; spread over the block's units of
 //   work (K rows while scoring, V rows during the V pass) they were 1.5x faster than a burst
-//   on contiguous, scheduler and served layouts alike. Further ahead, or into L2, was slower.
+//   on contiguous, scheduler and served layouts alike. Further ahead, or into L2, was slower
+//   there (AMD EPYC); on the Intel Xeon VM into L2 was 1.05-1.12x faster at batch 1-32 (its
+//   cores' line fill buffers, not L2's queue, bound the misses in flight), further ahead even.
 // * A shared prefix has many query rows per kv head (its n members' G heads; judge: 192): from
 //   GEMM_ROWS rows on, the block's K rows are transposed once and the scores are a small GEMM
 //   (score_rows_gemm), which does the multiply-adds without per-score sums.
@@ -155,6 +157,12 @@ inline vec vexp(vec x) {
   return vpow2(p, n);
 }
 
+// where the prefetches go: L2 on Intel (cpp_build.prefetch_flags), L1 elsewhere (see the header)
+#ifdef PLAIT_PREFETCH_L2
+#define PLAIT_STREAM_HINT _MM_HINT_T1
+#else
+#define PLAIT_STREAM_HINT _MM_HINT_T0
+#endif
 constexpr int64_t PREFETCH_AHEAD = W;  // tokens: one block (see the header)
 constexpr int64_t CHUNK = 256;  // keys per task, about (batch 1 of 280 keys: two tasks of 140)
 
@@ -162,8 +170,8 @@ constexpr int64_t CHUNK = 256;  // keys per task, about (batch 1 of 280 keys: tw
 inline void prefetch_row(const float* row, int64_t floats) {
   const char* p = reinterpret_cast<const char*>(row);
   const int64_t bytes = floats * 4;
-  for (int64_t a = 0; a < bytes; a += 64) _mm_prefetch(p + a, _MM_HINT_T0);
-  _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
+  for (int64_t a = 0; a < bytes; a += 64) _mm_prefetch(p + a, PLAIT_STREAM_HINT);
+  _mm_prefetch(p + bytes - 1, PLAIT_STREAM_HINT);
 }
 
 struct Shape {

@@ -10,6 +10,7 @@ lock file is stale and removed before torch looks at it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -35,6 +36,20 @@ def extension_name(name: str, source_text: str, extra_cflags: list[str],
     """`name` and a hash of what the build depends on besides torch (in build_directory)."""
     key = "\0".join([source_text, *extra_cflags, "", *extra_ldflags]).encode()
     return f"{name}_{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+@functools.cache
+def prefetch_flags() -> list[str]:
+    """["-DPLAIT_PREFETCH_L2"] on an Intel CPU (Linux: /proc/cpuinfo's vendor), else []: the
+    kernels' software prefetches of streamed data (the KV rows a decode attention block reads
+    next, the next panel of a batched fp32 linear) then go to L2 (prefetcht1) instead of L1. On
+    the Intel Xeon VM (~12 GB/s from memory a core), decode attention 1.05-1.12x at batch 1-32
+    and the batch-32 linears ~1.03x; on the AMD EPYC VMs before it, into L2 measured slower."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return ["-DPLAIT_PREFETCH_L2"] if "GenuineIntel" in info else []
 
 
 def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldflags: list[str]):

@@ -56,11 +56,19 @@ def kernel_isa() -> str | None:
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
 
 
+def decode_kernel_flags(isa: str) -> list[str]:
+    """The compiler flags of the decode kernel for `isa`, this CPU's prefetch choice included."""
+    from plait.kernels.cpp_build import prefetch_flags
+
+    return _KERNEL_FLAGS[isa] + prefetch_flags()
+
+
 def load_decode_kernel(isa: str):
     """Build (once) or load the decode kernel compiled for `isa` ("avx512" or "avx2")."""
     from plait.kernels.cpp_build import load_extension
 
-    return load_extension(f"plait_attn_cpu_{isa}", _KERNEL_SOURCE, _KERNEL_FLAGS[isa], ["-fopenmp"])
+    return load_extension(f"plait_attn_cpu_{isa}", _KERNEL_SOURCE, decode_kernel_flags(isa),
+                          ["-fopenmp"])
 
 
 def _set_kernel(module) -> None:

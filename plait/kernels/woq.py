@@ -88,11 +88,12 @@ def load_kernels(isa: str | None = None) -> ModuleType:
 def _load(isa: str) -> ModuleType:
     if isa in _ext:
         return _ext[isa]
-    from plait.kernels.cpp_build import load_extension
+    from plait.kernels.cpp_build import load_extension, prefetch_flags
 
     try:
         module = load_extension(
-            f"plait_woq_cpu_{isa}", _SOURCE, _COMMON_FLAGS + ISA_FLAGS[isa], ["-fopenmp"]
+            f"plait_woq_cpu_{isa}", _SOURCE, _COMMON_FLAGS + ISA_FLAGS[isa] + prefetch_flags(),
+            ["-fopenmp"],
         )
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, build error
         raise RuntimeError(f"building the {isa} int8/int4 CPU kernels failed: {e}") from e

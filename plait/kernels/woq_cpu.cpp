@@ -227,6 +227,13 @@ struct Int8Weights {  // q as floats; the per-feature scale is applied at the st
 #endif
 };
 
+// the hint of the spread prefetches of the next panel: L2 on Intel (cpp_build.prefetch_flags)
+#ifdef PLAIT_PREFETCH_L2
+constexpr auto kSpreadHint = _MM_HINT_T1;
+#else
+constexpr auto kSpreadHint = _MM_HINT_T0;
+#endif
+
 struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 weights
   const float* w;
   // software prefetch while reading input k: `lines` (0, 1 or 2) cache lines at pf + k * 16 * lines;
@@ -242,7 +249,7 @@ struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 w
     int64_t rate, k0;
     inline void pair(int64_t k, vf& w0, vf& w1) const {
       if (rate > 0) {
-        _mm_prefetch((const char*)(pf + (((k0 + k) * rate) >> 16) * 16), _MM_HINT_T1);
+        _mm_prefetch((const char*)(pf + (((k0 + k) * rate) >> 16) * 16), kSpreadHint);
       } else {
         if (lines > 0) _mm_prefetch((const char*)(pf + k * 16 * lines), _MM_HINT_T0);
         if (lines > 1) _mm_prefetch((const char*)(pf + k * 32 + 16), _MM_HINT_T0);

@@ -348,7 +348,7 @@ def test_a_lock_left_by_a_killed_build_does_not_block_loading(decode_kernel):
 
     source = decode_kernel._KERNEL_SOURCE
     isa = decode_kernel.kernel_isa()
-    cflags, ldflags = decode_kernel._KERNEL_FLAGS[isa], ["-fopenmp"]
+    cflags, ldflags = decode_kernel.decode_kernel_flags(isa), ["-fopenmp"]
     name = extension_name(f"plait_attn_cpu_{isa}", source.read_text(), cflags, ldflags)
     (build_directory(name) / "lock").touch()
     loaded = []
