@@ -46,6 +46,20 @@ LLAMACPP_PREFIX = "llama.cpp"
 LLAMACPP_BATCH = 512
 
 
+def llamacpp_amx_crashes() -> bool:
+    """Whether this CPU has AMX: there llama.cpp 0.3.36 (GGML_NATIVE builds its AMX kernels)
+    loads Q4_1 weights into its AMX buffer type and segfaults in ggml_backend_amx_mul_mat on
+    the first decode (seen on the Intel Xeon VM, 2026-11-26: the worker died before any
+    workload). The peers then load without llama.cpp's extra buffer types (the C API's
+    use_extra_bufts = false, llama-server's --no-repack): its AVX-512/VNNI kernels, as on a CPU
+    without AMX; for Q4_1 and F32 files the extra types are AMX's alone (its CPU repacking
+    covers Q4_0, Q4_K, IQ4_NL and Q8_0)."""
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def llamacpp_name(gguf: str) -> str:
     return f"{LLAMACPP_PREFIX} ({Path(gguf).name})"
 
@@ -169,6 +183,7 @@ class LlamaCppPeer:
         self.kv_f32 = ("F32" in Path(gguf).name.upper()) if kv_f32 is None else kv_f32
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
+        mparams.use_extra_bufts = not llamacpp_amx_crashes()
         self.model = lc.llama_model_load_from_file(gguf.encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
@@ -548,6 +563,7 @@ def engine_info() -> dict:
                     llamacpp_threads=int(os.environ.get("PLAIT_LLAMACPP_THREADS") or 0)
                     or len(os.sched_getaffinity(0)),
                     llamacpp_batch=LLAMACPP_BATCH,
+                    llamacpp_extra_bufts=not llamacpp_amx_crashes(),
                     system_info=llama_cpp.llama_print_system_info().decode().strip(" |"))
     except ImportError:
         pass

@@ -697,6 +697,8 @@ def llamacpp_server(gguf: str, model_name: str, slots: int, ctx_per_slot: int) -
            "--seed", "0", "--no-webui", "--jinja"]
     if "F32" in Path(gguf).name.upper():
         cmd += ["--cache-type-k", "f32", "--cache-type-v", "f32"]
+    if peers.llamacpp_amx_crashes():  # its AMX buffer type segfaults here (peers.py)
+        cmd += ["--no-repack"]
     return Server(f"llama.cpp server ({Path(gguf).name})", cmd, dict(os.environ), port,
                   LOGS / f"llamacpp-server-{Path(gguf).stem}-{model_name}.log")
 
@@ -849,8 +851,10 @@ def markdown(result: dict) -> str:
         v = m["llamacpp"]
         lines += [f"llama.cpp: llama-cpp-python {v.get('llama_cpp', '?')} built from source "
                   f"({v.get('system_info', '')}), {v.get('llamacpp_threads', '?')} threads, "
-                  f"n_batch {v.get('llamacpp_batch', '?')}, all requests of a call in one batch "
-                  "with shared prefixes evaluated once (benchmarks/peers.py); GGUF files: "
+                  f"n_batch {v.get('llamacpp_batch', '?')}, "
+                  + ("" if v.get("llamacpp_extra_bufts", True) else
+                     "no extra buffer types (its AMX kernels segfault here: peers.py), ")
+                  + "all requests of a call in one batch with shared prefixes evaluated once (benchmarks/peers.py); GGUF files: "
                   + ", ".join(f"{k}: {', '.join(Path(g).name for g in gs)}"
                               for k, gs in m.get("llamacpp_ggufs", {}).items()), ""]
     if m.get("vllm"):
