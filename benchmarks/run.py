@@ -854,7 +854,8 @@ def markdown(result: dict) -> str:
                   f"n_batch {v.get('llamacpp_batch', '?')}, "
                   + ("" if v.get("llamacpp_extra_bufts", True) else
                      "no extra buffer types (its AMX kernels segfault here: peers.py), ")
-                  + "all requests of a call in one batch with shared prefixes evaluated once (benchmarks/peers.py); GGUF files: "
+                  + "all requests of a call in one batch with shared prefixes evaluated once "
+                  "(benchmarks/peers.py); GGUF files: "
                   + ", ".join(f"{k}: {', '.join(Path(g).name for g in gs)}"
                               for k, gs in m.get("llamacpp_ggufs", {}).items()), ""]
     if m.get("vllm"):
