@@ -239,32 +239,34 @@ constexpr auto kStreamHint = _MM_HINT_T0;
 
 struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 weights
   const float* w;
-  // software prefetch while reading input k: `lines` (0, 1 or 2) cache lines at pf + k * 16 * lines;
-  // or, with `rate` > 0, line (k * rate) >> 16 of pf (rate / 65536 lines per input: a tile's
-  // share of the next panel spread evenly over its inputs)
+  // software prefetch while reading input k: with `stream`, both cache lines of input k at pf
+  // (pf + k * 32: a single tile reading ahead in its own panel); or, with `rate` > 0, line
+  // (k * rate) >> 16 of pf (rate / 65536 lines per input: a tile's share of the next panel
+  // spread evenly over its inputs); else none
   const float* pf = nullptr;
-  int lines = 0;
+  bool stream = false;
   int64_t rate = 0;
   struct Group {
     const float* w;
-    const float* pf;
-    int lines;
+    const float* pf;  // null: no prefetch
     int64_t rate, k0;
     inline void pair(int64_t k, vf& w0, vf& w1) const {
       if (rate > 0) {
         _mm_prefetch((const char*)(pf + (((k0 + k) * rate) >> 16) * 16), kStreamHint);
-      } else {
-        if (lines > 0) _mm_prefetch((const char*)(pf + k * 16 * lines), kStreamHint);
-        if (lines > 1) _mm_prefetch((const char*)(pf + k * 32 + 16), kStreamHint);
+      } else if (pf) {
+        _mm_prefetch((const char*)(pf + k * 32), kStreamHint);
+        _mm_prefetch((const char*)(pf + k * 32 + 16), kStreamHint);
       }
       w0 = vload(w + k * kPanel);
       w1 = vload(w + k * kPanel + 16);
     }
   };
+  // the prefetches ride on the first vector pair's pass (AVX2 reads a panel in two)
   inline Group group(int64_t k0, int h) const {
-    if (rate > 0) return {w + k0 * kPanel + h * W, pf, h == 0 ? 1 : 0, h == 0 ? rate : 0, k0};
-    return {w + k0 * kPanel + h * W, pf ? pf + k0 * 16 * lines : nullptr, h == 0 ? lines : 0, 0,
-            k0};
+    const float* wk = w + k0 * kPanel + h * W;
+    if (h != 0) return {wk, nullptr, 0, k0};
+    if (rate > 0) return {wk, pf, rate, k0};
+    return {wk, stream ? pf + k0 * 32 : nullptr, 0, k0};
   }
 };
 
@@ -694,7 +696,7 @@ void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Des
     Fp32Weights w = wt;
     if (tiles == 1) {
       w.pf = wt.w + kPrefetchFloats;
-      w.lines = 2;
+      w.stream = true;
     } else if (next) {
       // tile t of T fetches lines [t 2K / T, (t + 1) 2K / T) of the next panel's 2K
       w.pf = next + (t * 2 * K / tiles) * 16;
@@ -702,11 +704,10 @@ void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Des
     }
     if constexpr (kHalves == 2) {  // AVX2: one or two rows take the whole panel in one pass
       if (rows <= 2) {
-        // the same prefetches as Fp32Weights::Group::pair: `lines` lines per input
-        const int64_t step = w.lines > 1 ? 32 : 16;
-        const float* pf = w.lines > 0 ? w.pf : nullptr;
-        if (rows == 1) tile_whole_panel<1, 2, 4>(x, K, K, w.w, d, m, pf, step, w.lines > 1);
-        else tile_whole_panel<2, 1, 4>(x, K, K, w.w, d, m, pf, step, w.lines > 1);
+        // the single tile's stream prefetches of Fp32Weights::Group::pair: both lines per input
+        const float* pf = w.stream ? w.pf : nullptr;
+        if (rows == 1) tile_whole_panel<1, 2, 4>(x, K, K, w.w, d, m, pf, 32, true);
+        else tile_whole_panel<2, 1, 4>(x, K, K, w.w, d, m, pf, 32, true);
         continue;
       }
     }

@@ -331,9 +331,9 @@ class LlamaForCausalLM(nn.Module):
     def _decode_layers(self, kv_pool: KVPool, ops: FusedOps, lean: list[tuple]):
         """_forward_lean's loop as one C++ call (fused_cpu.cpp's DecodeLayers: the same
         kernels in the same order, so the same results) for decode batches whose attention goes
-        straight to attn_cpu.cpp (shared prefixes included); built once per pool, None until the attention kernel is
-        loaded. It saves SmolLM2's ~270 Python calls a step (batch 1 1.03-1.08x, batch 8 1.1x
-        on the AVX2 VM: the README's measured sections)."""
+        straight to attn_cpu.cpp (shared prefixes included); built once per pool, None until
+        the attention kernel is loaded. It saves SmolLM2's ~270 Python calls a step (batch 1
+        1.03-1.08x, batch 8 1.1x on the AVX2 VM: the README's measured sections)."""
         if self._decoder is not None and self._decoder[0] == id(kv_pool):
             return self._decoder[1]
         kernel = decode_kernel()
