@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from plait.kernels.base import AttentionMetadata
+from plait.kernels.base import AttentionMetadata, ForwardMode
 from plait.kernels.cpp_build import BackgroundBuild
 from plait.kernels.cpu_extend import ExtendPlan, extend_attention_cpu, plan_extend  # noqa: F401
 
@@ -141,14 +141,58 @@ def plan_decode(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) ->
     cached = meta.cache.get("cpu_decode_plan")
     if cached is not None:
         return cached
+    plan = _plan_rows(meta, meta.req_pool_indices, meta.seq_lens_cpu, min_shared)
+    meta.cache["cpu_decode_plan"] = plan
+    return plan
+
+
+# an extend that adds at most this many tokens to each request (a speculative verify: each
+# request's pending token and its draft) may attend row by row, like a decode (plan_rows)
+ROWS_MAX_EXTEND = 16
+
+
+def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> DecodePlan | None:
+    """A decode's plan (plan_decode); for an extend, the plan of its query rows as decode rows
+    when that reads less KV, else None (the extend path).
+
+    Row r of a request whose KV held `pre` tokens is a decode row over pre + r + 1 keys (its
+    own K/V and its predecessors' are stored before attention, so the slot lists alone make it
+    causal). Taken when every request adds at most ROWS_MAX_EXTEND rows and some shared prefix
+    spans two requests: the group's prefix is then read once for all their rows (a tree's
+    branches verifying drafts over one root, each of 30 layers), where the extend kernel reads
+    each request's whole KV. Each row reads its own suffix after the prefix (short, and cached
+    after the request's first row)."""
+    if meta.mode is ForwardMode.DECODE:
+        return plan_decode(meta, min_shared)
+    if "cpu_rows_plan" in meta.cache:
+        return meta.cache["cpu_rows_plan"]
+    plan = None
+    if meta.batch_size > 1 and 0 < max(meta.extend_lens_cpu) <= ROWS_MAX_EXTEND:
+        pools, lens, owner = [], [], []
+        for i, (pool, pre, ext) in enumerate(zip(
+            meta.req_pool_indices.tolist(), meta.prefix_lens_cpu, meta.extend_lens_cpu
+        )):
+            pools += [pool] * ext
+            lens += range(pre + 1, pre + ext + 1)
+            owner += [i] * ext
+        index = torch.tensor(pools, dtype=torch.int64, device=meta.req_pool_indices.device)
+        rows = _plan_rows(meta, index, lens, min_shared)
+        if any(len({owner[m] for m in g.members.tolist()}) > 1 for g in rows.groups):
+            plan = meta.cache["cpu_decode_plan"] = rows  # (the stats' shared_kv_tokens)
+    meta.cache["cpu_rows_plan"] = plan
+    return plan
+
+
+def _plan_rows(meta: AttentionMetadata, pools: torch.Tensor, seq_lens: list[int],
+               min_shared: int) -> DecodePlan:
+    """plan_decode for query rows whose KV is req_to_token[pools[b], :seq_lens[b]]."""
     device = meta.req_to_token.device
-    seq_lens = meta.seq_lens_cpu
-    bsz = meta.batch_size
-    rows = meta.req_to_token[meta.req_pool_indices, : meta.max_seq_len]  # [B, L] int32
+    bsz = len(seq_lens)
+    rows = meta.req_to_token[pools, : max(seq_lens, default=0)]  # [B, L] int32
     prefix = [0] * bsz
     groups: list[PrefixGroup] = []
     by_first: dict[int, list[int]] = {}
-    if bsz > 1 and meta.max_seq_len > min_shared:
+    if bsz > 1 and rows.shape[1] > min_shared:
         for b, first in enumerate(rows[:, 0].tolist()):
             by_first.setdefault(first, []).append(b)
     for members in by_first.values():
@@ -172,9 +216,7 @@ def plan_decode(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) ->
     valid = pos < torch.tensor(suffix_lens, device=device)[:, None]
     cols = (offsets[:, None] + pos).clamp_(max=max(rows.shape[1] - 1, 0))
     slots = torch.where(valid, rows.gather(1, cols).long(), 0)
-    plan = DecodePlan(groups, slots, valid, torch.tensor(suffix_lens, dtype=torch.int64))
-    meta.cache["cpu_decode_plan"] = plan
-    return plan
+    return DecodePlan(groups, slots, valid, torch.tensor(suffix_lens, dtype=torch.int64))
 
 
 def decode_attention_cpu(
@@ -189,8 +231,9 @@ def decode_attention_cpu(
     when it has been built (start_decode_kernel) and the inputs suit it.
 
     A kv head's G query heads are attended as G query rows of that head ([B, Hkv, G, D]), so
-    grouped-query attention needs no repeated K/V; K/V are strided views of one gather."""
-    plan = plan_decode(meta)
+    grouped-query attention needs no repeated K/V; K/V are strided views of one gather.
+    An extend's rows go the same way when plan_rows takes them (q: [T, H, D])."""
+    plan = plan_rows(meta)
     bsz, num_heads, head_dim = q.shape
     num_kv = k_buffer.shape[1]
     group = num_heads // num_kv

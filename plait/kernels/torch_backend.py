@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plait.kernels.base import AttentionBackend, AttentionMetadata, ForwardMode
-from plait.kernels.cpu_attention import decode_attention_cpu, decode_kernel, plan_decode
+from plait.kernels.base import AttentionBackend, AttentionMetadata
+from plait.kernels.cpu_attention import decode_attention_cpu, decode_kernel, plan_rows
 from plait.kernels.cpu_extend import extend_attention_cpu, plan_extend
 
 if TYPE_CHECKING:
@@ -101,22 +101,21 @@ class TorchAttnBackend(AttentionBackend):
     accepts_stored_kv = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        # once for every layer: shared-prefix groups (decode), slots and masks (extend)
-        if meta.mode is ForwardMode.DECODE:
-            plan_decode(meta)
-        else:
+        # once for every layer: shared-prefix groups (decode, and an extend attended as decode
+        # rows: plan_rows), slots and masks (extend)
+        if plan_rows(meta) is None:
             plan_extend(meta)
 
     def decode_kernel_operands(self, kv_pool: KVPool, meta: AttentionMetadata):
         """(kernel, slots, lens, scaling, groups) when this forward's attention can go
-        straight to attn_cpu.cpp (a decode batch, fp32 contiguous pools, the kernel built):
+        straight to attn_cpu.cpp (a decode batch or an extend taken as decode rows by
+        plan_rows, fp32 contiguous pools, the kernel built):
         out, lse = kernel.decode_attention(q [B, Hkv, G, D], k_buffer[layer], v_buffer[layer],
         slots, lens, scaling) over each request's KV after its shared prefix, then for each
         (members, prefix slots [1, P], prefix lens [1]) in groups the members' rows against the
         prefix, merged in (decode_attention_cpu's steps). Else None."""
         if not (
-            meta.mode is ForwardMode.DECODE
-            and self.use_cpu_kernel
+            self.use_cpu_kernel
             and self.head_dim % 8 == 0
             and kv_pool.k_buffer[0].dtype == torch.float32
             and kv_pool.k_buffer[0].is_contiguous()
@@ -124,9 +123,9 @@ class TorchAttnBackend(AttentionBackend):
         ):
             return None
         kernel = decode_kernel()
-        if kernel is None:
+        plan = plan_rows(meta) if kernel is not None else None
+        if plan is None:
             return None
-        plan = plan_decode(meta)
         groups = [(g.members, *g.kernel_slots) for g in plan.groups]
         return kernel, plan.suffix_slots, plan.suffix_lens, self.scaling, groups
 
@@ -167,7 +166,7 @@ class TorchAttnBackend(AttentionBackend):
             # index_copy_ rather than `buffer[loc] = k` (advanced indexing): half the overhead
             k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
             v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
-        if meta.mode is ForwardMode.DECODE:
+        if plan_rows(meta) is not None:
             return decode_attention_cpu(
                 q, k_buffer, v_buffer, meta, self.scaling, use_kernel=self.use_cpu_kernel
             )

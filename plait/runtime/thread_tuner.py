@@ -13,7 +13,8 @@ host's load (HostLoad: the cores other processes used lately, rounded), so that 
 beside a competitor is compared with forwards beside one, and a rare forward (a large prefill)
 starts on what its load level learnt even when contention changed since it last ran. Per key
 the tuner runs the count that measured fastest (median of its recent forwards) and probes the
-alternatives: when one was never measured, when its estimate is older than `stale_after_s`
+alternatives: when one was never measured (after the regular gap instead when a nearby key
+at its load level found them clearly slower), when its estimate is older than `stale_after_s`
 (or `max_interval` forwards passed), and at once when the running count's time jumped or
 drifted and stayed so over a few re-measured forwards (a stall of a few forwards is no
 change); probes of a count measured k times slower are spaced so that they cost about
@@ -74,6 +75,12 @@ class TunerConfig:
     # just ended still reads as load for a moment, and a probe of 1 thread on a 2048-token
     # prefill cost 1.4 s (measured: benchmarks.run's engines running in turn set it off)
     settle_s: float = 1.0
+    # a new key whose prior comes from a decided key at its load level within 8x of its size,
+    # where the other counts measured at least this much slower, probes them after the
+    # regular gap, not at once: on a quiet host every small key's first probe of 1 thread
+    # cost ~15 ms a forward for 3 forwards (SmolLM2 on the Xeon VM), and a workload's tail
+    # (a batch draining to 2, then 1 request) meets a new key every few forwards
+    vouch_margin: float = 1.25
 
 
 @dataclass
@@ -108,6 +115,8 @@ class _Key:
     confirming: bool = False  # the best's time changed: re-measuring it before a probe
     drifted: bool = False
     recheck: bool = False  # probe again after the gap (the last probe switched or was void)
+    margin: float = 1.0  # how much slower the losing count measured at the last decision
+    vouched: bool = False  # a clear neighbour's verdict: the first probe waits for the gap
 
 
 class ThreadTuner:
@@ -173,17 +182,20 @@ class ThreadTuner:
         k = (kind, size_bucket(tokens), load)
         key = self.keys.get(k)
         if key is None:
+            best, vouched = self._prior(*k, settled)
             key = _Key(
-                best=self._prior(*k, settled),
-                arms={n: _Arm() for n in self.candidates},
-                gap=self.cfg.min_gap,
+                best=best, arms={n: _Arm() for n in self.candidates}, gap=self.cfg.min_gap,
+                vouched=vouched,
             )
             self.keys[k] = key
         return key
 
-    def _prior(self, kind: str, bucket: int, load: int, settled: bool = False) -> int:
-        """A new key starts on the best count of the nearest decided key: the same load level
-        first, then the same kind, then the nearest size; else on all threads. Except under a
+    def _prior(self, kind: str, bucket: int, load: int, settled: bool = False
+               ) -> tuple[int, bool]:
+        """(count, vouched): a new key starts on the best count of the nearest decided key:
+        the same load level first, then the same kind, then the nearest size; else on all
+        threads. Vouched when that key is at the same load level, within 8x of the size, and
+        found the other counts vouch_margin slower (see TunerConfig). Except under a
         load that has held (`settled`) with no key decided at its level yet: then on the cores
         the others leave free. A large prefill is rare (a judge run has two or three) and
         its key may never get the forwards a probe needs: under the contention benchmark's
@@ -191,13 +203,17 @@ class ThreadTuner:
         thread, a core to itself, takes ~2.4 s. A load that just appeared (a neighbour's burst
         that is ending) keeps the nearest key's count."""
         known = sorted(
-            (abs(ld - load), kd != kind, abs(b.bit_length() - bucket.bit_length()), key.best)
+            (abs(ld - load), kd != kind, abs(b.bit_length() - bucket.bit_length()), key.best,
+             key.margin)
             for (kd, b, ld), key in self.keys.items() if key.reference is not None
         )
         if settled and load > 0 and not (known and known[0][0] == 0):
             free = max(1, self.max_threads - load)
-            return max(n for n in self.candidates if n <= free)
-        return known[0][3] if known else self.max_threads
+            return max(n for n in self.candidates if n <= free), False
+        if not known:
+            return self.max_threads, False
+        loads_apart, _, sizes_apart, best, margin = known[0]
+        return best, loads_apart == 0 and sizes_apart <= 3 and margin >= self.cfg.vouch_margin
 
     def _enough(self, arm: _Arm, count: int) -> bool:
         """Whether the last `count` samples are evidence enough: probe_forwards of them, or
@@ -214,7 +230,7 @@ class ThreadTuner:
         if not best.samples or not self._enough(best, self.cfg.window):
             return False  # no estimate of the running count yet to compare a probe with
         others = [a for n, a in key.arms.items() if n != key.best]
-        if any(not a.measured for a in others):
+        if any(not a.measured for a in others) and not key.vouched:
             return True
         if key.since_probe < key.gap:
             return False
@@ -243,7 +259,7 @@ class ThreadTuner:
             self.switches += 1
         else:
             key.reference, loser = best, probe / best
-        key.gap = self._gap(loser)
+        key.gap, key.margin = self._gap(loser), loser
 
     def _gap(self, slowdown: float) -> int:
         """Forwards between probes so that probing a count `slowdown` times slower than the

@@ -13,10 +13,12 @@ import torch
 from plait.kernels.base import ForwardMode
 from plait.kernels.cpu_attention import (
     MIN_SHARED_PREFIX,
+    ROWS_MAX_EXTEND,
     decode_attention_cpu,
     extend_attention_cpu,
     plan_decode,
     plan_extend,
+    plan_rows,
 )
 from plait.kernels.testing import random_attention_batch
 from plait.kernels.torch_backend import (
@@ -95,6 +97,61 @@ def test_decode_with_shared_prefixes_matches_reference(group):
     found = sorted((sorted(g.members.tolist()), g.slots.numel()) for g in plan.groups)
     assert found == [([0, 1, 2], 40), ([3, 4, 5], 100)]
     _check(decode_attention_cpu, decode_attention_reference, b)
+
+
+def _verify_batch(group: int = 2, head_dim: int = 16, seed: int = 30):
+    """A speculative verify over a tree: requests 0-2 share a 100-token root, each adding its
+    pending token and a draft (ragged); request 3 shares nothing."""
+    b = random_attention_batch([120, 130, 125, 60], [4, 1, 9, 3], 2 * group, 2, head_dim,
+                               seed=seed)
+    _share(b, 0, [1, 2], 100)
+    return b
+
+
+def test_verify_rows_over_a_shared_prefix_are_planned_as_decode_rows():
+    b = _verify_batch()
+    plan = plan_rows(b.meta)
+    assert plan is not None and plan is plan_rows(b.meta)
+    # rows 0-3 (request 0), 4 (1), 5-13 (2): one group reading the root once; the rows of
+    # request 3 (14-16) share only their own request's prefix, a group of their own
+    found = sorted((g.members.tolist(), g.slots.numel()) for g in plan.groups)
+    assert found == [(list(range(14)), 100), ([14, 15, 16], 60)]
+    # row r of a request sees its prefix and its first r + 1 new tokens: suffix after the root
+    assert plan.suffix_lens.tolist() == [21, 22, 23, 24, 31, *range(26, 35), 1, 2, 3]
+
+
+def test_extends_without_a_prefix_across_requests_keep_the_extend_path():
+    b = random_attention_batch([120, 130], [4, 2], 4, 2, 16, seed=31)  # nothing shared
+    assert plan_rows(b.meta) is None
+    b = random_attention_batch([120, 130], [4, ROWS_MAX_EXTEND + 1], 4, 2, 16, seed=32)
+    _share(b, 0, [1], 100)  # shared, but a request adds too many rows (a prefill)
+    assert plan_rows(b.meta) is None
+    b = random_attention_batch([120], [4], 4, 2, 16, seed=33)  # one request
+    assert plan_rows(b.meta) is None
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_verify_rows_match_the_extend_reference(group):
+    b = _verify_batch(group, seed=34 + group)
+    _check(decode_attention_cpu, extend_attention_reference, b)
+
+
+def test_the_backend_attends_verify_rows_as_decode_rows():
+    from plait.kernels.torch_backend import TorchAttnBackend
+
+    b = _verify_batch(2, seed=40)
+    backend = TorchAttnBackend(4, 2, 16, SCALE)
+    backend.prepare(b.meta)
+    assert "cpu_extend_plan" not in b.meta.cache  # the extend path was not planned
+
+    class Pool:
+        k_buffer, v_buffer = [b.k_buffer.clone()], [b.v_buffer.clone()]
+
+    out = backend.forward(b.q, b.k_new, b.v_new, 0, Pool, b.meta)
+    k, v = _stored(b)
+    torch.testing.assert_close(out, extend_attention_reference(b.q, k, v, b.meta, SCALE),
+                               atol=2e-5, rtol=2e-5)
+    assert backend.shared_kv_tokens(b.meta) == 100 * 13 + 60 * 2
 
 
 def test_decode_finds_the_first_difference_not_the_shortest_member():
@@ -326,6 +383,13 @@ def test_decode_kernel_with_shared_prefixes_matches_reference(decode_kernel, gro
     _share(b, 3, [4, 5], 100)
     assert len(plan_decode(b.meta).groups) == 2
     _check(_kernel_decode, decode_attention_reference, b)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_kernel_attends_verify_rows(decode_kernel, group):
+    b = _verify_batch(group, head_dim=64, seed=50 + group)
+    _check(_kernel_decode, extend_attention_reference, b)
 
 
 @pytest.mark.heavy

@@ -177,7 +177,8 @@ def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypat
     """fused_cpu.cpp's DecodeLayers (the lean loop as one C++ call) against _forward_lean's
     Python loop, bit for bit: decode batches run it (counted), with and without shared prefixes
     (their cascade attention: the prefix read once for its members, merged in C++); extends
-    keep the Python loop."""
+    keep the Python loop, except drafts verified over a prefix that requests share (decode
+    rows: cpu_attention.plan_rows)."""
     from plait.kernels import woq
     from plait.kernels.cpu_attention import start_decode_kernel
     from plait.kernels.cpu_extend import start_extend_kernel
@@ -199,11 +200,12 @@ def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypat
         # the shared prompts' with prefix groups, the distinct ones' without
         batches = [b for b, _ in runs]
         assert batches and batches[0] == len(prompts), runs
-        assert batches == sorted(batches, reverse=True), runs
         if prompts is distinct:
+            assert batches == sorted(batches, reverse=True), runs
             assert all(g == 0 for _, g in runs), runs
-        else:
+        else:  # and the verifies of drafts over the shared prefixes, as decode rows
             assert runs[0][1] > 0, runs
+            assert any(b > len(prompts) for b in batches), runs
         used = len(runs)
         monkeypatch.setattr(LlamaForCausalLM, "use_cpp_layer_loop", False)
         py_out, py_logits = run(path, prompts, 10, **args)

@@ -266,3 +266,36 @@ def test_matches_transformers(make_scheduler, tiny_llama):
         assert ids[f"g{i}"] == ref_ids, f"prompt {i}: tokens differ from transformers"
         got = info[f"g{i}"][2]
         assert max(abs(a - b) for a, b in zip(got, ref_lps)) < 1e-4
+
+
+@pytest.mark.model
+def test_matches_transformers_when_drafts_verify_over_a_shared_prefix(
+    make_scheduler, tiny_llama, monkeypatch
+):
+    """Branches of one root verifying their drafts together attend as decode rows, the root
+    read once for all of them (cpu_attention.plan_rows): the same tokens as transformers."""
+    from plait.kernels import torch_backend
+    from plait.kernels.base import ForwardMode
+
+    as_rows = []
+
+    def plan_rows(meta):
+        plan = cpu_plan_rows(meta)
+        if plan is not None and meta.mode is ForwardMode.EXTEND and "seen" not in meta.cache:
+            meta.cache["seen"] = as_rows.append(meta.extend_lens_cpu)
+        return plan
+
+    cpu_plan_rows = torch_backend.plan_rows
+    monkeypatch.setattr(torch_backend, "plan_rows", plan_rows)
+    root = repetitive_prompts(1, seed=7)[0] * 3  # 72 tokens, above MIN_SHARED_PREFIX
+    prompts = [root + p[:6] for p in repetitive_prompts(4, seed=8)]
+    ref = hf_reference(tiny_llama, prompts, 24)
+    reqs = [{**greedy(f"g{i}", p, max_new_tokens=24), "return_logprob": True}
+            for i, p in enumerate(prompts)]
+    ids, info, counters = run(make_scheduler, K, reqs)
+    assert counters["spec_accepted_tokens"] > 0
+    assert as_rows and all(max(lens) > 1 for lens in as_rows)  # the verifies, as decode rows
+    for i, (ref_ids, ref_lps) in enumerate(ref):
+        assert ids[f"g{i}"] == ref_ids, f"prompt {i}: tokens differ from transformers"
+        got = info[f"g{i}"][2]
+        assert max(abs(a - b) for a, b in zip(got, ref_lps)) < 1e-4
