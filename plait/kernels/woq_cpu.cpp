@@ -35,7 +35,9 @@
 // first) took batch 32 from 24 to 20 ms; over all of them, evenly (a core fetches ~12 GB/s
 // from memory on the Intel Xeon VM, and two tiles' worth of compute was too short to take a
 // panel at that rate: the third tile computed with the memory idle), 37.1 -> 32.1 ms for
-// SmolLM2's 30 layers of linears at batch 32 and 59.1 -> 50.7 at 64 on that VM.
+// SmolLM2's 30 layers of linears at batch 32 and 59.1 -> 50.7 at 64 on that VM. From 24 rows
+// on, the AVX-512 build takes fp32 panels in pairs (tile_pair: 6 rows x 64 features), closer to
+// the FMA peak in prefills.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -716,6 +718,81 @@ void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Des
   }
 }
 
+#if defined(__AVX512F__)
+constexpr int kPairRows = 6;  // rows per pair tile: 6 x 4 accumulators + 4 weight vectors
+constexpr int64_t kPairAhead = 8;  // inputs ahead that a pair tile prefetches its own lines
+// fp32 with this many rows or more runs panel pairs (panel_pair_rows). SmolLM2's 30 layers of
+// linears on the Intel Xeon VM, one-panel vs pair builds alternated in one process (9
+// repeats): 24 and 32 rows even, 48 1.02x, 64 1.05x, 128 1.08x, 256 1.08x, 1024 1.13x (353
+// GFLOP/s, torch.mm ~380); the logits 1.01-1.13x; 8 and 16 rows 0.95x (one tile or two: the
+// one-panel tiles' single stream suits them)
+constexpr int64_t kPairMinRows = 24;
+
+// MR (<= kPairRows) rows x two adjacent fp32 panels (64 features): 4 x MR accumulators, and
+// per input k four weight vectors and MR broadcasts for 4 MR FMAs (a one-panel tile of 12
+// rows: two weight vectors and 12 broadcasts for 24 FMAs, and 12 row pointers, more than the
+// general registers hold: the compiler kept reloading them from the stack). Each input
+// prefetches the pair's lines kPairAhead inputs on (into L1: the pair comes from L2 after its
+// first tile) and, with `rate`, line (k rate) >> 16 of `next` (the tile's share of the next
+// pair, into L2 on Intel, as Fp32Weights does).
+template <int MR>
+void tile_pair(const float* x, int64_t ldx, int64_t K, const float* w, const Dest& d0,
+               const Dest& d1, int64_t m0, const float* next, int64_t rate) {
+  vf acc[MR][4];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) acc[m][j] = vzero();
+  const float* w1 = w + K * kPanel;
+  const float* xm = x + m0 * ldx;
+  for (int64_t k = 0; k < K; k++) {
+    _mm_prefetch((const char*)(w + (k + kPairAhead) * kPanel), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (k + kPairAhead) * kPanel + 16), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w1 + (k + kPairAhead) * kPanel), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w1 + (k + kPairAhead) * kPanel + 16), _MM_HINT_T0);
+    if (rate > 0) _mm_prefetch((const char*)(next + ((k * rate) >> 16) * 16), kStreamHint);
+    const vf a0 = vload(w + k * kPanel), a1 = vload(w + k * kPanel + 16);
+    const vf b0 = vload(w1 + k * kPanel), b1 = vload(w1 + k * kPanel + 16);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; m++) {
+      const vf xb = vbcast(xm + m * ldx + k);
+      acc[m][0] = vfma(a0, xb, acc[m][0]);
+      acc[m][1] = vfma(a1, xb, acc[m][1]);
+      acc[m][2] = vfma(b0, xb, acc[m][2]);
+      acc[m][3] = vfma(b1, xb, acc[m][3]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++) {
+    store_pair(d0, m0 + m, 0, acc[m][0], acc[m][1]);
+    store_pair(d1, m0 + m, 0, acc[m][2], acc[m][3]);
+  }
+}
+
+template <int MAX>
+void tile_pair_rows(int64_t rows, const float* x, int64_t K, const float* w, const Dest& d0,
+                    const Dest& d1, int64_t m0, const float* next, int64_t rate) {
+  if constexpr (MAX > 0) {
+    if (rows == MAX) return tile_pair<MAX>(x, K, K, w, d0, d1, m0, next, rate);
+    return tile_pair_rows<MAX - 1>(rows, x, K, w, d0, d1, m0, next, rate);
+  }
+}
+
+// Panels p and p + 1 (w: p's, p + 1's follows) x rows [r0, r1) in tiles of up to kPairRows;
+// tile t of T prefetches lines [t 4K / T, (t + 1) 4K / T) of the next pair's 4K (`next`, or
+// none), spread evenly over its inputs.
+void panel_pair_rows(const float* x, int64_t K, const float* w, const Dest& d0, const Dest& d1,
+                     int64_t r0, int64_t r1, const float* next) {
+  const int64_t tiles = (r1 - r0 + kPairRows - 1) / kPairRows;
+  const int64_t per = (r1 - r0 + tiles - 1) / tiles;
+  for (int64_t m = r0, t = 0; m < r1; m += per, t++) {
+    const float* pf = next ? next + (t * 4 * K / tiles) * 16 : nullptr;
+    const int64_t rate = next ? ((int64_t(4) << 16) + tiles - 1) / tiles : 0;
+    tile_pair_rows<kPairRows>(std::min<int64_t>(r1 - m, per), x, K, w, d0, d1, m, pf, rate);
+  }
+}
+#endif
+
 // out[M, N] = x[M, K] @ W.T over panels; make_weights(p) gives panel p's weight source.
 template <class MakeWeights>
 void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
@@ -724,6 +801,32 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t block_rows = (M + blocks - 1) / blocks;  // even blocks: no 1-row remnant
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<decltype(make_weights(0)), Fp32Weights>) {
+    if (M >= kPairMinRows) {  // panel pairs (a last odd panel alone, as below)
+      const float* w = make_weights(0).w;
+      const int64_t pairs = (panels + 1) / 2;
+      parallel_panels(pairs, [&](int64_t q0, int64_t q1) {
+        for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
+          const int64_t r1 = std::min(M, r0 + block_rows);
+          for (int64_t q = q0; q < q1; q++) {
+            const int64_t p = 2 * q;
+            const Dest d0{out + p * kPanel, N, std::min(kPanel, N - p * kPanel), nullptr};
+            if (p + 1 == panels) {
+              panel_rows_fp32(x, K, make_weights(p), d0, r0, r1, nullptr);
+              continue;
+            }
+            const Dest d1{out + (p + 1) * kPanel, N, std::min(kPanel, N - (p + 1) * kPanel),
+                          nullptr};
+            panel_pair_rows(x, K, w + p * K * kPanel, d0, d1, r0, r1,
+                            p + 2 < panels ? w + (p + 2) * K * kPanel : nullptr);
+          }
+        }
+      });
+      return;
+    }
+  }
+#endif
   parallel_panels(panels, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> scratch;  // one dequantized panel
 #if defined(__AVX512F__)  // (AVX2 int8/int4: integer tiles, no dequantized panel)
