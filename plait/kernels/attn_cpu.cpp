@@ -32,7 +32,9 @@
 //   cores' line fill buffers, not L2's queue, bound the misses in flight), further ahead even.
 // * A shared prefix has many query rows per kv head (its n members' G heads; judge: 192): from
 //   GEMM_ROWS rows on, the block's K rows are transposed once and the scores are a small GEMM
-//   (score_rows_gemm), which does the multiply-adds without per-score sums.
+//   (score_rows_gemm), which does the multiply-adds without per-score sums; from LANES_ROWS on
+//   the rows go in the vector lanes instead (attend_chunk_lanes: no transposition, an online
+//   softmax elementwise over rows), 1.3-1.4x faster again on the Intel Xeon VM.
 // * Sequences longer than CHUNK keys are split into chunks (batch 1 had Hkv = 3 tasks for 2
 //   threads), merged by their log-sum-exps; threads take chunks from a shared counter. The
 //   split is a function of each sequence's length alone, so a request's result does not depend
@@ -315,6 +317,164 @@ struct Scratch {
   std::vector<float> p, m, l, alpha, o, s, kt;
 };
 
+// Many query rows per kv head (from LANES_ROWS): the rows go in the vector lanes instead, each
+// row vector W rows. Scores of a key are a broadcast of each K element times the rows' q
+// vectors (qT, the rows transposed once per call), the online softmax's max, rescale and sum
+// are elementwise over row vectors (no horizontal reductions, no K transposition), and the V
+// pass broadcasts each V element into the rows' probability vectors; the accumulators are oT
+// [D, rows]. Per key and row vector, D multiply-adds for the score and D for V, four of each
+// per broadcast or load (score_rows_gemm: one K vector per 8 broadcast q elements, a
+// transposition per block, and per-row softmax reductions).
+constexpr int64_t LANE_BLOCK = 32;  // keys per online-softmax block
+#if defined(__AVX512F__)
+constexpr int kLaneKeys = 4, kLaneVecs = 5, kLaneDims = 4;  // 20 accumulators of 32 registers
+#else
+constexpr int kLaneKeys = 2, kLaneVecs = 4, kLaneDims = 2;  // 8 accumulators of 16
+#endif
+// from this many query rows per kv head. One shared prefix's call on SmolLM2's shapes (2
+// threads, each of 30 layers' KV in turn), against the row-by-row kernel: 48 rows over 550
+// keys 1.43x, 72 1.36x, 96 over 500 1.34x, 192 over 1000 (judge) 1.29x; 33-36 rows even
+// (a third row vector mostly empty); 24 rows 0.94x (two vectors, one half empty), so not below
+constexpr int64_t LANES_ROWS = 32;
+// keys per task with the rows in the lanes: each task sets up its accumulators and writes
+// them out transposed, so longer than CHUNK (1.04-1.13x at 36-192 rows)
+constexpr int64_t LANE_CHUNK = 512;
+
+// s[t][v] = sum_d qT[d][v] k_t[d] for KT keys and NV row vectors from v0 (rows RVW floats)
+template <int KT, int NV>
+void lane_scores(const float* qT, int64_t RVW, const float* const* krow, int64_t D, int64_t v0,
+                 float* s) {
+  vec acc[KT][NV];
+  for (int i = 0; i < KT; i++)
+    for (int j = 0; j < NV; j++) acc[i][j] = vzero();
+  const float* q = qT + v0 * W;
+  for (int64_t d = 0; d < D; d++) {
+    vec qv[NV];
+    for (int j = 0; j < NV; j++) qv[j] = vload(q + d * RVW + j * W);
+    for (int i = 0; i < KT; i++) {
+      const vec kb = vset1(krow[i][d]);
+      for (int j = 0; j < NV; j++) acc[i][j] = vfma(kb, qv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < KT; i++)
+    for (int j = 0; j < NV; j++) vstore(s + i * RVW + (v0 + j) * W, acc[i][j]);
+}
+
+// oT[d][v] = oT[d][v] alpha[v] + sum_t<nt p[t][v] v_t[d] for DT dims from d0, NV row vectors
+template <int DT, int NV>
+void lane_values(float* oT, int64_t RVW, const float* p, const float* alpha,
+                 const float* const* vrow, int64_t nt, int64_t d0, int64_t v0) {
+  vec acc[DT][NV];
+  for (int j = 0; j < NV; j++) {
+    const vec a = vload(alpha + (v0 + j) * W);
+    for (int i = 0; i < DT; i++) acc[i][j] = vmul(vload(oT + (d0 + i) * RVW + (v0 + j) * W), a);
+  }
+  for (int64_t t = 0; t < nt; t++) {
+    vec pv[NV];
+    for (int j = 0; j < NV; j++) pv[j] = vload(p + t * RVW + (v0 + j) * W);
+    for (int i = 0; i < DT; i++) {
+      const vec vb = vset1(vrow[t][d0 + i]);
+      for (int j = 0; j < NV; j++) acc[i][j] = vfma(vb, pv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < DT; i++)
+    for (int j = 0; j < NV; j++) vstore(oT + (d0 + i) * RVW + (v0 + j) * W, acc[i][j]);
+}
+
+template <int NV>
+void lane_scores_n(int64_t nv, const float* qT, int64_t RVW, const float* const* krow, int64_t D,
+                   int64_t v0, float* s) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return lane_scores_n<NV - 1>(nv, qT, RVW, krow, D, v0, s);
+  }
+  lane_scores<kLaneKeys, NV>(qT, RVW, krow, D, v0, s);
+}
+
+template <int NV>
+void lane_values_n(int64_t nv, float* oT, int64_t RVW, const float* p, const float* alpha,
+                   const float* const* vrow, int64_t nt, int64_t d0, int64_t v0) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return lane_values_n<NV - 1>(nv, oT, RVW, p, alpha, vrow, nt, d0, v0);
+  }
+  lane_values<kLaneDims, NV>(oT, RVW, p, alpha, vrow, nt, d0, v0);
+}
+
+// attend_chunk's contract (below) with the rows in the lanes, for row vectors [va, vb) (rows
+// va W .. vb W - 1, those below R) only; qT: the query rows transposed (lane_queries),
+// [H, D, RVW]
+void attend_chunk_lanes(const float* qT_all, const Shape& sh, int64_t va, int64_t vb,
+                        const float* kbuf, const float* vbuf, int64_t row, const int64_t* slots,
+                        int64_t n, float* o_out, float* lse, Scratch& sc) {
+  const int64_t H = sh.H, R = sh.R, D = sh.D;
+  const int64_t RVW = (R + W - 1) / W * W;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  sc.s.resize(LANE_BLOCK * RVW);
+  sc.alpha.resize(RVW);
+  float* s = sc.s.data();
+  float* alpha = sc.alpha.data();
+  for (int64_t h = 0; h < H; h++) {
+    const float* qT = qT_all + h * D * RVW;
+    sc.o.assign(D * RVW, 0.0f);
+    sc.m.assign(RVW, neg_inf);
+    sc.l.assign(RVW, 0.0f);
+    float* oT = sc.o.data();
+    for (int64_t t0 = 0; t0 < n; t0 += LANE_BLOCK) {
+      const int64_t nt = std::min(LANE_BLOCK, n - t0);
+      const float* krow[LANE_BLOCK];
+      const float* vrow[LANE_BLOCK];
+      for (int64_t t = 0; t < LANE_BLOCK; t++) {  // past the end: the last row again (unused)
+        const int64_t slot = slots[t0 + std::min(t, nt - 1)];
+        krow[t] = kbuf + slot * row + h * D;
+        vrow[t] = vbuf + slot * row + h * D;
+      }
+      for (int64_t t = t0 + LANE_BLOCK; t < std::min(t0 + 2 * LANE_BLOCK, n); t++) {
+        prefetch_row(kbuf + slots[t] * row + h * D, D);
+        prefetch_row(vbuf + slots[t] * row + h * D, D);
+      }
+      for (int64_t k0 = 0; k0 < nt; k0 += kLaneKeys)
+        for (int64_t v0 = va; v0 < vb; v0 += kLaneVecs)
+          lane_scores_n<kLaneVecs>(std::min<int64_t>(kLaneVecs, vb - v0), qT, RVW, krow + k0, D,
+                                   v0, s + k0 * RVW);
+      for (int64_t v = va; v < vb; v++) {
+        vec bm = vload(s + v * W);
+        for (int64_t t = 1; t < nt; t++) bm = vmax(bm, vload(s + t * RVW + v * W));
+        const vec m_old = vload(sc.m.data() + v * W);
+        const vec m_new = vmax(m_old, bm);
+        const vec a = vexp(vsub(m_old, m_new));  // (the first block: exp(-inf), 0)
+        vstore(alpha + v * W, a);
+        vstore(sc.m.data() + v * W, m_new);
+        vec sum = vmul(vload(sc.l.data() + v * W), a);
+        for (int64_t t = 0; t < nt; t++) {
+          const vec pv = vexp(vsub(vload(s + t * RVW + v * W), m_new));
+          vstore(s + t * RVW + v * W, pv);
+          sum = vadd(sum, pv);
+        }
+        vstore(sc.l.data() + v * W, sum);
+      }
+      for (int64_t d0 = 0; d0 < D; d0 += kLaneDims)
+        for (int64_t v0 = va; v0 < vb; v0 += kLaneVecs)
+          lane_values_n<kLaneVecs>(std::min<int64_t>(kLaneVecs, vb - v0), oT, RVW, s, alpha, vrow,
+                                   nt, d0, v0);
+    }
+    for (int64_t r = va * W; r < std::min(R, vb * W); r++) {
+      const float inv = 1.0f / sc.l[r];
+      for (int64_t d = 0; d < D; d++) o_out[(h * R + r) * D + d] = oT[d * RVW + r] * inv;
+      lse[h * R + r] = sc.m[r] + std::log(sc.l[r]);
+    }
+  }
+}
+
+// qs [N, R, Dp] (N = sequences x kv heads) -> qT [N, D, RVW]: each head's rows in the lanes,
+// padding rows 0 (once per call: a sequence's chunks share them)
+std::vector<float> lane_queries(const float* qs, int64_t N, const Shape& sh) {
+  const int64_t R = sh.R, D = sh.D, RVW = (R + W - 1) / W * W;
+  std::vector<float> qT(N * D * RVW, 0.0f);
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t r = 0; r < R; r++)
+      for (int64_t d = 0; d < D; d++) qT[(i * D + d) * RVW + r] = qs[(i * R + r) * sh.Dp + d];
+  return qT;
+}
+
 // One task: the KV rows slots[0:n) of one sequence, sh.H kv heads (all, or a run of them: kbuf
 // and vbuf then point at the run's first head in the pool rows, `row` floats apart), one pass
 // over blocks of W tokens with an online softmax. qs: [H, R, Dp] query rows, pre-scaled,
@@ -404,14 +564,15 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
 struct Task {
   int64_t b, start, len, part;  // part: index into the partial buffers, -1 = whole sequence
   int64_t h0 = 0, h1 = 0;  // kv heads [h0, h1) (set by decode_attention)
+  int64_t v0 = 0, v1 = 0;  // with the rows in the lanes: row vectors [v0, v1)
 };
 
 // Split sequences into chunks of about CHUNK keys. The split depends on the sequence's own
 // length only, never on the thread count or the rest of the batch: the scheduler changes its
 // thread count with the host's load (plait/runtime/thread_tuner.py), and a split that followed
 // it changed the rounding of the merge and so, rarely, a greedy token.
-std::vector<Task> plan_tasks(const int64_t* lens, int64_t B, std::vector<int64_t>& parts_of) {
-  const int64_t target = CHUNK;
+std::vector<Task> plan_tasks(const int64_t* lens, int64_t B, std::vector<int64_t>& parts_of,
+                             int64_t target) {
   std::vector<Task> tasks;
   parts_of.assign(B + 1, 0);
   int64_t part = 0;
@@ -481,20 +642,37 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
   const float* vp = v_buffer.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> parts_of;
-  const std::vector<Task> tasks = plan_tasks(lp, B, parts_of);
+  const bool lanes = R >= LANES_ROWS;
+  // the lanes' chunks are longer: each sets up its accumulators and writes them out transposed
+  const std::vector<Task> tasks = plan_tasks(lp, B, parts_of, lanes ? LANE_CHUNK : CHUNK);
+  const std::vector<float> qT = lanes ? lane_queries(qs.data(), B * H, sh) : std::vector<float>();
+  const int64_t qT_head = lanes ? D * ((R + W - 1) / W * W) : 0;
   const int64_t nparts = parts_of[B];
   const int64_t per_seq = H * R * D;
   std::vector<float> part_out(nparts * per_seq), part_lse(nparts * H * R);
   // Fewer tasks than threads (batch 1: one, while its keys fit a chunk): each task's kv heads
   // split into runs, one task each. The heads' rows are independent, so this changes no
-  // result (unlike a finer split of the keys, whose merge rounds differently).
+  // result (unlike a finer split of the keys, whose merge rounds differently). Tasks of many
+  // rows (a shared prefix's call: its members' rows together) split into single heads always,
+  // and with the rows in the lanes into runs of row vectors too while there are fewer than two
+  // items a thread (a 500-token prefix of 8 rows a head: 3 items for 2 threads, one idle a
+  // third of the call)
   std::vector<Task> work_items;
-  const int64_t head_parts = std::min<int64_t>(H, (threads + tasks.size() - 1) / tasks.size());
+  const int64_t head_parts = R >= GEMM_ROWS || lanes
+                                 ? H
+                                 : std::min<int64_t>(H, (threads + tasks.size() - 1) / tasks.size());
+  const int64_t RV = (R + W - 1) / W;
+  const int64_t items = int64_t(tasks.size()) * head_parts;
+  // (a part of one row vector is broadcast-bound: 4 multiply-adds a broadcast K element)
+  const int64_t row_parts =
+      lanes ? std::max<int64_t>(1, std::min(RV / 2, (2 * threads + items - 1) / items)) : 1;
   for (Task t : tasks)
-    for (int64_t i = 0; i < head_parts; i++) {
-      t.h0 = H * i / head_parts, t.h1 = H * (i + 1) / head_parts;
-      work_items.push_back(t);
-    }
+    for (int64_t i = 0; i < head_parts; i++)
+      for (int64_t j = 0; j < row_parts; j++) {
+        t.h0 = H * i / head_parts, t.h1 = H * (i + 1) / head_parts;
+        t.v0 = RV * j / row_parts, t.v1 = RV * (j + 1) / row_parts;
+        work_items.push_back(t);
+      }
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
     Scratch scratch;
@@ -504,9 +682,14 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
       float* l = t.part < 0 ? lsep + t.b * H * R : part_lse.data() + t.part * H * R;
       Shape run = sh;
       run.H = t.h1 - t.h0;
-      attend_chunk(qs.data() + (t.b * H + t.h0) * R * sh.Dp, run, kp + t.h0 * D, vp + t.h0 * D,
-                   H * D, sp + t.b * Wd + t.start, t.len, o + t.h0 * R * D, l + t.h0 * R,
-                   scratch);
+      if (lanes)
+        attend_chunk_lanes(qT.data() + (t.b * H + t.h0) * qT_head, run, t.v0, t.v1, kp + t.h0 * D,
+                           vp + t.h0 * D, H * D, sp + t.b * Wd + t.start, t.len,
+                           o + t.h0 * R * D, l + t.h0 * R, scratch);
+      else
+        attend_chunk(qs.data() + (t.b * H + t.h0) * R * sh.Dp, run, kp + t.h0 * D,
+                     vp + t.h0 * D, H * D, sp + t.b * Wd + t.start, t.len, o + t.h0 * R * D,
+                     l + t.h0 * R, scratch);
     }
   };
   if (work_items.size() > 1 && threads > 1)

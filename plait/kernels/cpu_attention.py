@@ -147,8 +147,11 @@ def plan_decode(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) ->
 
 
 # an extend that adds at most this many tokens to each request (a speculative verify: each
-# request's pending token and its draft) may attend row by row, like a decode (plan_rows)
+# request's pending token and its draft), and at most ROWS_MAX_TOTAL in all, may attend row by
+# row, like a decode (plan_rows). The total keeps it to the shapes measured: verifies have at
+# most --speculative-ngram-max-rows rows (24 by default)
 ROWS_MAX_EXTEND = 16
+ROWS_MAX_TOTAL = 64
 
 
 def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> DecodePlan | None:
@@ -157,8 +160,8 @@ def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> D
 
     Row r of a request whose KV held `pre` tokens is a decode row over pre + r + 1 keys (its
     own K/V and its predecessors' are stored before attention, so the slot lists alone make it
-    causal). Taken when every request adds at most ROWS_MAX_EXTEND rows and some shared prefix
-    spans two requests: the group's prefix is then read once for all their rows (a tree's
+    causal). Taken when every request adds at most ROWS_MAX_EXTEND rows (ROWS_MAX_TOTAL in all)
+    and some shared prefix spans two requests: the group's prefix is then read once for all their rows (a tree's
     branches verifying drafts over one root, each of 30 layers), where the extend kernel reads
     each request's whole KV. Each row reads its own suffix after the prefix (short, and cached
     after the request's first row)."""
@@ -167,7 +170,8 @@ def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> D
     if "cpu_rows_plan" in meta.cache:
         return meta.cache["cpu_rows_plan"]
     plan = None
-    if meta.batch_size > 1 and 0 < max(meta.extend_lens_cpu) <= ROWS_MAX_EXTEND:
+    if (meta.batch_size > 1 and 0 < max(meta.extend_lens_cpu) <= ROWS_MAX_EXTEND
+            and sum(meta.extend_lens_cpu) <= ROWS_MAX_TOTAL):
         pools, lens, owner = [], [], []
         for i, (pool, pre, ext) in enumerate(zip(
             meta.req_pool_indices.tolist(), meta.prefix_lens_cpu, meta.extend_lens_cpu

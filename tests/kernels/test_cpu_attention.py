@@ -14,6 +14,7 @@ from plait.kernels.base import ForwardMode
 from plait.kernels.cpu_attention import (
     MIN_SHARED_PREFIX,
     ROWS_MAX_EXTEND,
+    ROWS_MAX_TOTAL,
     decode_attention_cpu,
     extend_attention_cpu,
     plan_decode,
@@ -127,6 +128,10 @@ def test_extends_without_a_prefix_across_requests_keep_the_extend_path():
     _share(b, 0, [1], 100)  # shared, but a request adds too many rows (a prefill)
     assert plan_rows(b.meta) is None
     b = random_attention_batch([120], [4], 4, 2, 16, seed=33)  # one request
+    assert plan_rows(b.meta) is None
+    n = ROWS_MAX_TOTAL // ROWS_MAX_EXTEND + 1  # too many rows in all
+    b = random_attention_batch([100] * n, [ROWS_MAX_EXTEND] * n, 4, 2, 16, seed=34)
+    _share(b, 0, list(range(1, n)), 80)
     assert plan_rows(b.meta) is None
 
 
@@ -336,6 +341,26 @@ def test_decode_kernel_many_query_rows(isa_kernel, rows_per_head, head_dim):
     k, v = _poisoned_pool(rows, 2, head_dim, seed=rows_per_head)
     q = torch.randn(3, 2, rows_per_head, head_dim, generator=gen)
     _run_kernel(isa_kernel, q, k, v, rows)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("rows_per_head", [32, 64, 100])
+@pytest.mark.parametrize("keys", [300, 1100])
+def test_decode_kernel_rows_in_the_lanes(isa_kernel, rows_per_head, keys):
+    # from 32 rows per kv head the rows go in the vector lanes: one sequence's 300 keys are one
+    # chunk (2 heads: 2 items for 2 threads, so the rows split in runs of row vectors too),
+    # 1100 three chunks merged; 100 rows end in a partial row vector
+    gen = torch.Generator().manual_seed(rows_per_head + keys)
+    rows = [torch.randperm(2 * keys, generator=gen)[:keys] * 2 + 1]
+    k, v = _poisoned_pool(rows, 2, 64, seed=keys)
+    q = torch.randn(1, 2, rows_per_head, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            _run_kernel(isa_kernel, q, k, v, rows)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.heavy
