@@ -13,8 +13,7 @@ host's load (HostLoad: the cores other processes used lately, rounded), so that 
 beside a competitor is compared with forwards beside one, and a rare forward (a large prefill)
 starts on what its load level learnt even when contention changed since it last ran. Per key
 the tuner runs the count that measured fastest (median of its recent forwards) and probes the
-alternatives: when one was never measured (after the regular gap instead when a nearby key
-at its load level found them clearly slower), when its estimate is older than `stale_after_s`
+alternatives: when one was never measured, when its estimate is older than `stale_after_s`
 (or `max_interval` forwards passed), and at once when the running count's time jumped or
 drifted and stayed so over a few re-measured forwards (a stall of a few forwards is no
 change); probes of a count measured k times slower are spaced so that they cost about
@@ -75,12 +74,6 @@ class TunerConfig:
     # just ended still reads as load for a moment, and a probe of 1 thread on a 2048-token
     # prefill cost 1.4 s (measured: benchmarks.run's engines running in turn set it off)
     settle_s: float = 1.0
-    # a new key whose prior comes from a decided key at its load level within 8x of its size,
-    # where the other counts measured at least this much slower, probes them after the
-    # regular gap, not at once: on a quiet host every small key's first probe of 1 thread
-    # cost ~15 ms a forward for 3 forwards (SmolLM2 on the Xeon VM), and a workload's tail
-    # (a batch draining to 2, then 1 request) meets a new key every few forwards
-    vouch_margin: float = 1.25
 
 
 @dataclass
@@ -109,14 +102,12 @@ class _Key:
     gap: int  # forwards on the best count before the next probe (drift aside)
     probing: int | None = None
     probe_left: int = 0
-    may_give_up: bool = False  # not on a count's first probe: it pays one-off set-up costs
+    may_give_up: bool = False  # not on a count's first forwards: they pay one-off set-up costs
     since_probe: int = 0
     reference: float | None = None  # the best's estimate at the last decision
     confirming: bool = False  # the best's time changed: re-measuring it before a probe
     drifted: bool = False
     recheck: bool = False  # probe again after the gap (the last probe switched or was void)
-    margin: float = 1.0  # how much slower the losing count measured at the last decision
-    vouched: bool = False  # a clear neighbour's verdict: the first probe waits for the gap
 
 
 class ThreadTuner:
@@ -182,20 +173,17 @@ class ThreadTuner:
         k = (kind, size_bucket(tokens), load)
         key = self.keys.get(k)
         if key is None:
-            best, vouched = self._prior(*k, settled)
             key = _Key(
-                best=best, arms={n: _Arm() for n in self.candidates}, gap=self.cfg.min_gap,
-                vouched=vouched,
+                best=self._prior(*k, settled),
+                arms={n: _Arm() for n in self.candidates},
+                gap=self.cfg.min_gap,
             )
             self.keys[k] = key
         return key
 
-    def _prior(self, kind: str, bucket: int, load: int, settled: bool = False
-               ) -> tuple[int, bool]:
-        """(count, vouched): a new key starts on the best count of the nearest decided key:
-        the same load level first, then the same kind, then the nearest size; else on all
-        threads. Vouched when that key is at the same load level, within 8x of the size, and
-        found the other counts vouch_margin slower (see TunerConfig). Except under a
+    def _prior(self, kind: str, bucket: int, load: int, settled: bool = False) -> int:
+        """A new key starts on the best count of the nearest decided key: the same load level
+        first, then the same kind, then the nearest size; else on all threads. Except under a
         load that has held (`settled`) with no key decided at its level yet: then on the cores
         the others leave free. A large prefill is rare (a judge run has two or three) and
         its key may never get the forwards a probe needs: under the contention benchmark's
@@ -203,17 +191,13 @@ class ThreadTuner:
         thread, a core to itself, takes ~2.4 s. A load that just appeared (a neighbour's burst
         that is ending) keeps the nearest key's count."""
         known = sorted(
-            (abs(ld - load), kd != kind, abs(b.bit_length() - bucket.bit_length()), key.best,
-             key.margin)
+            (abs(ld - load), kd != kind, abs(b.bit_length() - bucket.bit_length()), key.best)
             for (kd, b, ld), key in self.keys.items() if key.reference is not None
         )
         if settled and load > 0 and not (known and known[0][0] == 0):
             free = max(1, self.max_threads - load)
-            return max(n for n in self.candidates if n <= free), False
-        if not known:
-            return self.max_threads, False
-        loads_apart, _, sizes_apart, best, margin = known[0]
-        return best, loads_apart == 0 and sizes_apart <= 3 and margin >= self.cfg.vouch_margin
+            return max(n for n in self.candidates if n <= free)
+        return known[0][3] if known else self.max_threads
 
     def _enough(self, arm: _Arm, count: int) -> bool:
         """Whether the last `count` samples are evidence enough: probe_forwards of them, or
@@ -230,7 +214,7 @@ class ThreadTuner:
         if not best.samples or not self._enough(best, self.cfg.window):
             return False  # no estimate of the running count yet to compare a probe with
         others = [a for n, a in key.arms.items() if n != key.best]
-        if any(not a.measured for a in others) and not key.vouched:
+        if any(not a.measured for a in others):
             return True
         if key.since_probe < key.gap:
             return False
@@ -238,9 +222,14 @@ class ThreadTuner:
         return key.recheck or stale or key.since_probe >= self.cfg.max_interval
 
     def _start_probe(self, key: _Key) -> None:
-        """Probe the alternative measured longest ago (never measured first)."""
+        """Probe the alternative measured longest ago (never measured first). A probe forward
+        clearly slower than the best ends the probe (give_up_ratio), except the first forward
+        on a count that no forward has run yet, in any key: it pays the count's one-off set-up
+        costs. (Once per key before, so every new size probed a far slower count for all of
+        probe_forwards: a workload's tail draining to 4, 2, 1 requests met a new key every few
+        forwards, 3 forwards of 1 thread each, ~15 ms apiece, on a quiet host.)"""
         alt = min((n for n in key.arms if n != key.best), key=lambda n: key.arms[n].newest())
-        key.may_give_up = key.arms[alt].measured
+        key.may_give_up = key.arms[alt].measured or self.forwards[alt] > 0
         key.arms[alt].samples.clear()  # the probe's forwards alone make its estimate
         key.probing, key.probe_left, key.since_probe = alt, self.cfg.probe_forwards, 0
         self.probes += 1
@@ -259,7 +248,7 @@ class ThreadTuner:
             self.switches += 1
         else:
             key.reference, loser = best, probe / best
-        key.gap, key.margin = self._gap(loser), loser
+        key.gap = self._gap(loser)
 
     def _gap(self, slowdown: float) -> int:
         """Forwards between probes so that probing a count `slowdown` times slower than the
