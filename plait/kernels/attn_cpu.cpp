@@ -655,12 +655,13 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
   // result (unlike a finer split of the keys, whose merge rounds differently). Tasks of many
   // rows (a shared prefix's call: its members' rows together) split into single heads always,
   // and with the rows in the lanes into runs of row vectors too while there are fewer than two
-  // items a thread (a 500-token prefix of 8 rows a head: 3 items for 2 threads, one idle a
+  // items a thread (a 500-token prefix of 64 rows a head: 3 items for 2 threads, one idle a
   // third of the call)
   std::vector<Task> work_items;
-  const int64_t head_parts = R >= GEMM_ROWS || lanes
-                                 ? H
-                                 : std::min<int64_t>(H, (threads + tasks.size() - 1) / tasks.size());
+  const int64_t head_parts =
+      R >= GEMM_ROWS || lanes
+          ? H
+          : std::min<int64_t>(H, (threads + tasks.size() - 1) / tasks.size());
   const int64_t RV = (R + W - 1) / W;
   const int64_t items = int64_t(tasks.size()) * head_parts;
   // (a part of one row vector is broadcast-bound: 4 multiply-adds a broadcast K element)

@@ -3,7 +3,9 @@
 `plait.kernels.torch_backend` keeps the plain references that every kernel is tested against;
 these are the paths the CPU actually runs:
 
-* extend: plait.kernels.cpu_extend (re-exported here).
+* extend: plait.kernels.cpu_extend (re-exported here); but an extend of a few rows per request
+  over a prefix that requests share (speculative verifies in a tree) attends as decode rows,
+  below (plan_rows).
 * decode, "cascade": requests whose KV starts with the same pool slots (a radix-cache hit on a
   shared rubric, system prompt or tree root) are grouped once per forward; each group's shared
   prefix is read from the pool once and attended by all its queries together (n members x G
@@ -161,10 +163,10 @@ def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> D
     Row r of a request whose KV held `pre` tokens is a decode row over pre + r + 1 keys (its
     own K/V and its predecessors' are stored before attention, so the slot lists alone make it
     causal). Taken when every request adds at most ROWS_MAX_EXTEND rows (ROWS_MAX_TOTAL in all)
-    and some shared prefix spans two requests: the group's prefix is then read once for all their rows (a tree's
-    branches verifying drafts over one root, each of 30 layers), where the extend kernel reads
-    each request's whole KV. Each row reads its own suffix after the prefix (short, and cached
-    after the request's first row)."""
+    and some shared prefix spans two requests: the group's prefix is then read once for all
+    their rows (a tree's branches verifying drafts over one root, each of 30 layers), where the
+    extend kernel reads each request's whole KV. Each row reads its own suffix after the prefix
+    (short, and cached after the request's first row)."""
     if meta.mode is ForwardMode.DECODE:
         return plan_decode(meta, min_shared)
     if "cpu_rows_plan" in meta.cache:
