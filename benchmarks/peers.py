@@ -31,6 +31,7 @@ This module is standard-library only at import time (benchmarks/run.py imports `
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -46,6 +47,7 @@ LLAMACPP_PREFIX = "llama.cpp"
 LLAMACPP_BATCH = 512
 
 
+@functools.cache
 def llamacpp_amx_crashes() -> bool:
     """Whether this CPU has AMX: there llama.cpp 0.3.36 (GGML_NATIVE builds its AMX kernels)
     loads Q4_1 weights into its AMX buffer type and segfaults in ggml_backend_amx_mul_mat on

@@ -340,6 +340,9 @@ constexpr int64_t LANES_ROWS = 32;
 // them out transposed, so longer than CHUNK (1.04-1.13x at 36-192 rows)
 constexpr int64_t LANE_CHUNK = 512;
 
+// floats per row of qT / oT: R rows padded to whole row vectors
+inline int64_t lane_width(int64_t R) { return (R + W - 1) / W * W; }
+
 // s[t][v] = sum_d qT[d][v] k_t[d] for KT keys and NV row vectors from v0 (rows RVW floats)
 template <int KT, int NV>
 void lane_scores(const float* qT, int64_t RVW, const float* const* krow, int64_t D, int64_t v0,
@@ -405,8 +408,7 @@ void lane_values_n(int64_t nv, float* oT, int64_t RVW, const float* p, const flo
 void attend_chunk_lanes(const float* qT_all, const Shape& sh, int64_t va, int64_t vb,
                         const float* kbuf, const float* vbuf, int64_t row, const int64_t* slots,
                         int64_t n, float* o_out, float* lse, Scratch& sc) {
-  const int64_t H = sh.H, R = sh.R, D = sh.D;
-  const int64_t RVW = (R + W - 1) / W * W;
+  const int64_t H = sh.H, R = sh.R, D = sh.D, RVW = lane_width(R);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   sc.s.resize(LANE_BLOCK * RVW);
   sc.alpha.resize(RVW);
@@ -464,14 +466,14 @@ void attend_chunk_lanes(const float* qT_all, const Shape& sh, int64_t va, int64_
   }
 }
 
-// qs [N, R, Dp] (N = sequences x kv heads) -> qT [N, D, RVW]: each head's rows in the lanes,
-// padding rows 0 (once per call: a sequence's chunks share them)
-std::vector<float> lane_queries(const float* qs, int64_t N, const Shape& sh) {
-  const int64_t R = sh.R, D = sh.D, RVW = (R + W - 1) / W * W;
+// q [N, R, D] (N = sequences x kv heads) -> qT [N, D, RVW], scaled: each head's rows in the
+// lanes, padding rows 0 (once per call: a sequence's chunks share them)
+std::vector<float> lane_queries(const float* q, float scale, int64_t N, int64_t R, int64_t D) {
+  const int64_t RVW = lane_width(R);
   std::vector<float> qT(N * D * RVW, 0.0f);
   for (int64_t i = 0; i < N; i++)
     for (int64_t r = 0; r < R; r++)
-      for (int64_t d = 0; d < D; d++) qT[(i * D + d) * RVW + r] = qs[(i * R + r) * sh.Dp + d];
+      for (int64_t d = 0; d < D; d++) qT[(i * D + d) * RVW + r] = q[(i * R + r) * D + d] * scale;
   return qT;
 }
 
@@ -627,12 +629,18 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
   sh.nvec = (D + W - 1) / W;
   sh.tail = D - (sh.nvec - 1) * W;
   sh.Dp = sh.nvec * W;
-  // query rows pre-scaled and zero-padded to whole vectors: [B, H, R, Dp]
-  std::vector<float> qs(B * H * R * sh.Dp, 0.0f);
+  const bool lanes = R >= LANES_ROWS;
+  // query rows pre-scaled: zero-padded to whole vectors [B, H, R, Dp], or in the lanes
   const float sc = static_cast<float>(scale);
   const float* qp = q.data_ptr<float>();
-  for (int64_t i = 0; i < B * H * R; i++)
-    for (int64_t d = 0; d < D; d++) qs[i * sh.Dp + d] = qp[i * D + d] * sc;
+  std::vector<float> qs, qT;
+  if (lanes) {
+    qT = lane_queries(qp, sc, B * H, R, D);
+  } else {
+    qs.assign(B * H * R * sh.Dp, 0.0f);
+    for (int64_t i = 0; i < B * H * R; i++)
+      for (int64_t d = 0; d < D; d++) qs[i * sh.Dp + d] = qp[i * D + d] * sc;
+  }
 
   auto out = at::empty_like(q);
   auto lse = at::empty({B, H, R}, q.options());
@@ -642,11 +650,8 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
   const float* vp = v_buffer.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> parts_of;
-  const bool lanes = R >= LANES_ROWS;
   // the lanes' chunks are longer: each sets up its accumulators and writes them out transposed
   const std::vector<Task> tasks = plan_tasks(lp, B, parts_of, lanes ? LANE_CHUNK : CHUNK);
-  const std::vector<float> qT = lanes ? lane_queries(qs.data(), B * H, sh) : std::vector<float>();
-  const int64_t qT_head = lanes ? D * ((R + W - 1) / W * W) : 0;
   const int64_t nparts = parts_of[B];
   const int64_t per_seq = H * R * D;
   std::vector<float> part_out(nparts * per_seq), part_lse(nparts * H * R);
@@ -684,7 +689,8 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
       Shape run = sh;
       run.H = t.h1 - t.h0;
       if (lanes)
-        attend_chunk_lanes(qT.data() + (t.b * H + t.h0) * qT_head, run, t.v0, t.v1, kp + t.h0 * D,
+        attend_chunk_lanes(qT.data() + (t.b * H + t.h0) * D * lane_width(R), run, t.v0, t.v1,
+                           kp + t.h0 * D,
                            vp + t.h0 * D, H * D, sp + t.b * Wd + t.start, t.len,
                            o + t.h0 * R * D, l + t.h0 * R, scratch);
       else

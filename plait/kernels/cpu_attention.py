@@ -173,7 +173,7 @@ def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> D
         return meta.cache["cpu_rows_plan"]
     plan = None
     if (meta.batch_size > 1 and 0 < max(meta.extend_lens_cpu) <= ROWS_MAX_EXTEND
-            and sum(meta.extend_lens_cpu) <= ROWS_MAX_TOTAL):
+            and sum(meta.extend_lens_cpu) <= ROWS_MAX_TOTAL and _requests_share_a_slot(meta)):
         pools, lens, owner = [], [], []
         for i, (pool, pre, ext) in enumerate(zip(
             meta.req_pool_indices.tolist(), meta.prefix_lens_cpu, meta.extend_lens_cpu
@@ -187,6 +187,14 @@ def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> D
             plan = meta.cache["cpu_decode_plan"] = rows  # (the stats' shared_kv_tokens)
     meta.cache["cpu_rows_plan"] = plan
     return plan
+
+
+def _requests_share_a_slot(meta: AttentionMetadata) -> bool:
+    """Whether two requests' KV starts at the same pool slot: the only way a group of
+    _plan_rows spans two requests (checked before building a plan that would be dropped:
+    verify forwards of requests with nothing shared are most of them)."""
+    firsts = meta.req_to_token[meta.req_pool_indices, 0].tolist()
+    return len(set(firsts)) < len(firsts)
 
 
 def _plan_rows(meta: AttentionMetadata, pools: torch.Tensor, seq_lens: list[int],

@@ -779,15 +779,17 @@ void tile_pair_rows(int64_t rows, const float* x, int64_t K, const float* w, con
 }
 
 // Panels p and p + 1 (w: p's, p + 1's follows) x rows [r0, r1) in tiles of up to kPairRows;
-// tile t of T prefetches lines [t 4K / T, (t + 1) 4K / T) of the next pair's 4K (`next`, or
-// none), spread evenly over its inputs.
+// tile t of T prefetches lines [t L / T, (t + 1) L / T) of the L = 2K next_panels lines that
+// follow (the next pair, or the last odd panel: next_panels 2, 1 or 0), spread evenly over its
+// inputs.
 void panel_pair_rows(const float* x, int64_t K, const float* w, const Dest& d0, const Dest& d1,
-                     int64_t r0, int64_t r1, const float* next) {
+                     int64_t r0, int64_t r1, int64_t next_panels) {
   const int64_t tiles = (r1 - r0 + kPairRows - 1) / kPairRows;
   const int64_t per = (r1 - r0 + tiles - 1) / tiles;
+  const float* next = next_panels > 0 ? w + 2 * K * kPanel : nullptr;
   for (int64_t m = r0, t = 0; m < r1; m += per, t++) {
-    const float* pf = next ? next + (t * 4 * K / tiles) * 16 : nullptr;
-    const int64_t rate = next ? ((int64_t(4) << 16) + tiles - 1) / tiles : 0;
+    const float* pf = next ? next + (t * 2 * next_panels * K / tiles) * 16 : nullptr;
+    const int64_t rate = next ? ((2 * next_panels << 16) + tiles - 1) / tiles : 0;
     tile_pair_rows<kPairRows>(std::min<int64_t>(r1 - m, per), x, K, w, d0, d1, m, pf, rate);
   }
 }
@@ -819,7 +821,7 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
             const Dest d1{out + (p + 1) * kPanel, N, std::min(kPanel, N - (p + 1) * kPanel),
                           nullptr};
             panel_pair_rows(x, K, w + p * K * kPanel, d0, d1, r0, r1,
-                            p + 2 < panels ? w + (p + 2) * K * kPanel : nullptr);
+                            std::min<int64_t>(2, panels - p - 2));
           }
         }
       });
