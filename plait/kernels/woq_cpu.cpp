@@ -37,7 +37,9 @@
 // panel at that rate: the third tile computed with the memory idle), 37.1 -> 32.1 ms for
 // SmolLM2's 30 layers of linears at batch 32 and 59.1 -> 50.7 at 64 on that VM. From 24 rows
 // on, the AVX-512 build takes fp32 panels in pairs (tile_pair: 6 rows x 64 features), closer to
-// the FMA peak in prefills.
+// the FMA peak in prefills; from 4 rows to 127 the pairs run their inputs in blocks that every
+// row tile takes in turn (panel_pair_blocks: the weight stream then overlaps all the compute,
+// not only the first tile's: SmolLM2's linears 1.2-1.4x faster at 7-32 rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -721,12 +723,11 @@ void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Des
 #if defined(__AVX512F__)
 constexpr int kPairRows = 6;  // rows per pair tile: 6 x 4 accumulators + 4 weight vectors
 constexpr int64_t kPairAhead = 8;  // inputs ahead that a pair tile prefetches its own lines
-// fp32 with this many rows or more runs panel pairs (panel_pair_rows). SmolLM2's 30 layers of
-// linears on the Intel Xeon VM, one-panel vs pair builds alternated in one process (9
-// repeats): 24 and 32 rows even, 48 1.02x, 64 1.05x, 128 1.08x, 256 1.08x, 1024 1.13x (353
-// GFLOP/s, torch.mm ~380); the logits 1.01-1.13x; 8 and 16 rows 0.95x (one tile or two: the
-// one-panel tiles' single stream suits them)
-constexpr int64_t kPairMinRows = 24;
+// fp32 from kPairBlockMinRows rows on runs panel pairs: below kPairWholeRows in input blocks
+// (panel_pair_blocks), from there on a tile over all K (panel_pair_rows). Whole-K pairs against
+// one-panel tiles, SmolLM2's 30 layers of linears on the Intel Xeon VM (9 repeats): 24 and 32
+// rows even, 48 1.02x, 64 1.05x, 128 1.08x, 256 1.08x, 1024 1.13x (353 GFLOP/s, torch.mm ~380);
+// the logits 1.01-1.13x; 8 and 16 rows 0.95x.
 
 // MR (<= kPairRows) rows x two adjacent fp32 panels (64 features): 4 x MR accumulators, and
 // per input k four weight vectors and MR broadcasts for 4 MR FMAs (a one-panel tile of 12
@@ -793,6 +794,106 @@ void panel_pair_rows(const float* x, int64_t K, const float* w, const Dest& d0, 
     tile_pair_rows<kPairRows>(std::min<int64_t>(r1 - m, per), x, K, w, d0, d1, m, pf, rate);
   }
 }
+
+// Below kPairWholeRows rows the pairs run their inputs in blocks of kPairBlock (24 KB of the
+// pair's weights): every row tile takes the block in turn, its accumulators kept in `c`
+// between blocks, so a block comes from memory once (the first tile) and from L1 for the
+// others, and each tile prefetches its share of the next block (into L2 on Intel): the
+// memory stream runs all along the compute instead of in the first tile's pass of a whole
+// pair. Each output is still one chain of FMAs over k = 0..K-1 in order: the same bits as
+// tile_pair, and as any other row count. SmolLM2's 30 layers of linears on the Intel Xeon VM
+// (weights from memory, 2 threads, old vs this build alternated in one process, 9 repeats):
+// 1 row 1.06x, 4-6 rows 1.06-1.08x, 7-9 rows 1.31-1.39x, 12-24 rows 1.19-1.25x, 32 rows 1.21x,
+// 48 1.09x, 64 1.03-1.07x; 128 even and 256-550 0.96x (compute-bound: the whole-K tiles stay).
+constexpr int64_t kPairBlock = 96;  // inputs per block (64 and 128 measured alike or slower)
+constexpr int64_t kPairBlockMinRows = 4;  // 2-3 rows: 0.97x (the one-panel tiles stay)
+constexpr int64_t kPairWholeRows = 128;  // from here on tile_pair over all K
+constexpr int64_t kPairBlockRowsMax = kPairWholeRows - 1;
+
+template <int MR>
+void tile_pair_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* w,
+                     const float* w1, float* __restrict c, bool first, bool last, const Dest& d0,
+                     const Dest& d1, int64_t m0, const float* n0, const float* n1, int64_t rate) {
+  vf acc[MR][4];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) acc[m][j] = first ? vzero() : vload(c + m * 64 + j * W);
+  const float* xm = x + m0 * ldx;
+  for (int64_t k = k0; k < k1; k++) {
+    if (rate > 0) {  // line ((k - k0) rate) >> 16 of the tile's share of the next block
+      const int64_t line = (((k - k0) * rate) >> 16) * 16;
+      _mm_prefetch((const char*)(n0 + line), kStreamHint);
+      if (n1) _mm_prefetch((const char*)(n1 + line), kStreamHint);
+    }
+    const vf a0 = vload(w + k * kPanel), a1 = vload(w + k * kPanel + 16);
+    const vf b0 = vload(w1 + k * kPanel), b1 = vload(w1 + k * kPanel + 16);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; m++) {
+      const vf xb = vbcast(xm + m * ldx + k);
+      acc[m][0] = vfma(a0, xb, acc[m][0]);
+      acc[m][1] = vfma(a1, xb, acc[m][1]);
+      acc[m][2] = vfma(b0, xb, acc[m][2]);
+      acc[m][3] = vfma(b1, xb, acc[m][3]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++) {
+    if (last) {
+      store_pair(d0, m0 + m, 0, acc[m][0], acc[m][1]);
+      store_pair(d1, m0 + m, 0, acc[m][2], acc[m][3]);
+    } else {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) vstore(c + m * 64 + j * W, acc[m][j]);
+    }
+  }
+}
+
+template <int MAX>
+void tile_pair_block_rows(int64_t rows, const float* x, int64_t K, int64_t k0, int64_t k1,
+                          const float* w, float* c, bool first, bool last, const Dest& d0,
+                          const Dest& d1, int64_t m0, const float* n0, const float* n1,
+                          int64_t rate) {
+  if constexpr (MAX > 0) {
+    if (rows == MAX)
+      return tile_pair_block<MAX>(x, K, k0, k1, w, w + K * kPanel, c, first, last, d0, d1, m0,
+                                  n0, n1, rate);
+    return tile_pair_block_rows<MAX - 1>(rows, x, K, k0, k1, w, c, first, last, d0, d1, m0, n0,
+                                         n1, rate);
+  }
+}
+
+// Panels p and p + 1 (w: p's, p + 1's follows) x rows [r0, r1) (at most kPairBlockRowsMax),
+// block by block; the next block is the pair's following inputs, after its last block the
+// next pair's first (next_panels 2, or 1: the last odd panel; 0: none).
+void panel_pair_blocks(const float* x, int64_t K, const float* w, const Dest& d0, const Dest& d1,
+                       int64_t r0, int64_t r1, int64_t next_panels) {
+  const int64_t tiles = (r1 - r0 + kPairRows - 1) / kPairRows;
+  const int64_t per = (r1 - r0 + tiles - 1) / tiles;
+  alignas(64) float c[kPairBlockRowsMax * 64];
+  for (int64_t k0 = 0; k0 < K; k0 += kPairBlock) {
+    const int64_t k1 = std::min(K, k0 + kPairBlock);
+    const bool last = k1 == K;
+    const float *n0 = nullptr, *n1 = nullptr;  // the next block's two panels
+    int64_t next_inputs = 0;
+    if (!last) {
+      n0 = w + k1 * kPanel, n1 = w + (K + k1) * kPanel;
+      next_inputs = std::min(K, k1 + kPairBlock) - k1;
+    } else if (next_panels > 0) {
+      n0 = w + 2 * K * kPanel, next_inputs = std::min(K, kPairBlock);
+      if (next_panels > 1) n1 = w + 3 * K * kPanel;
+    }
+    const int64_t lines = 2 * next_inputs;  // a panel's lines in the next block
+    // tile t of T prefetches lines [t L / T, (t + 1) L / T) of each panel's L, spread evenly
+    const int64_t rate = n0 ? ((lines << 16) + tiles * (k1 - k0) - 1) / (tiles * (k1 - k0)) : 0;
+    for (int64_t m = r0, t = 0; m < r1; m += per, t++) {
+      const int64_t skip = (t * lines / tiles) * 16;
+      tile_pair_block_rows<kPairRows>(std::min<int64_t>(r1 - m, per), x, K, k0, k1, w,
+                                      c + (m - r0) * 64, k0 == 0, last, d0, d1, m,
+                                      n0 ? n0 + skip : nullptr, n1 ? n1 + skip : nullptr, rate);
+    }
+  }
+}
 #endif
 
 // out[M, N] = x[M, K] @ W.T over panels; make_weights(p) gives panel p's weight source.
@@ -805,12 +906,14 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
   const int64_t block_rows = (M + blocks - 1) / blocks;  // even blocks: no 1-row remnant
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<decltype(make_weights(0)), Fp32Weights>) {
-    if (M >= kPairMinRows) {  // panel pairs (a last odd panel alone, as below)
+    if (M >= kPairBlockMinRows) {  // panel pairs (a last odd panel alone, as below)
       const float* w = make_weights(0).w;
       const int64_t pairs = (panels + 1) / 2;
+      const bool whole = M >= kPairWholeRows;  // else one row block, run in input blocks
       parallel_panels(pairs, [&](int64_t q0, int64_t q1) {
-        for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
-          const int64_t r1 = std::min(M, r0 + block_rows);
+        const int64_t rows = whole ? block_rows : M;
+        for (int64_t r0 = 0; r0 < M; r0 += rows) {
+          const int64_t r1 = std::min(M, r0 + rows);
           for (int64_t q = q0; q < q1; q++) {
             const int64_t p = 2 * q;
             const Dest d0{out + p * kPanel, N, std::min(kPanel, N - p * kPanel), nullptr};
@@ -820,8 +923,9 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
             }
             const Dest d1{out + (p + 1) * kPanel, N, std::min(kPanel, N - (p + 1) * kPanel),
                           nullptr};
-            panel_pair_rows(x, K, w + p * K * kPanel, d0, d1, r0, r1,
-                            std::min<int64_t>(2, panels - p - 2));
+            const int64_t next_panels = std::min<int64_t>(2, panels - p - 2);
+            if (whole) panel_pair_rows(x, K, w + p * K * kPanel, d0, d1, r0, r1, next_panels);
+            else panel_pair_blocks(x, K, w + p * K * kPanel, d0, d1, r0, r1, next_panels);
           }
         }
       });

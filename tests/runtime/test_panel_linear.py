@@ -11,8 +11,9 @@ from plait.kernels import woq
 
 pytestmark = pytest.mark.skipif(not woq.available_isas(), reason="the kernels need AVX2 + FMA")
 
-# row counts: one tile, its tails, several tiles of a block (even split), blocks of 64
-ROWS = (0, 1, 2, 3, 5, 9, 12, 13, 25, 32, 33, 64, 65, 131, 200)
+# row counts: one tile, its tails, several tiles of a block (even split), blocks of 64; the
+# AVX-512 panel pairs in input blocks (4..127 rows) and over all inputs (128 on)
+ROWS = (0, 1, 2, 3, 4, 5, 7, 9, 12, 13, 25, 32, 33, 64, 65, 96, 127, 128, 131, 200)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,7 +21,10 @@ def kernels():
     assert woq.start_linear_kernels(block=True)
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (13, 64), (7, 96), (200, 1536), (45, 37)])
+# (inputs: whole blocks of 96 of the pairs' input blocks, a partial last block, one short block;
+# outputs: pairs of panels, a last odd panel, a partial panel)
+@pytest.mark.parametrize("shape", [(960, 576), (13, 64), (7, 96), (200, 1536), (45, 37),
+                                   (100, 250), (70, 200)])
 def test_panel_linear_equals_torch_linear(shape):
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
@@ -57,6 +61,21 @@ def test_results_do_not_depend_on_the_threads(cls):
                     assert torch.equal(m(x), one), (rows, n)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif("avx512" not in woq.available_isas(), reason="the AVX-512 build's tiles")
+@pytest.mark.parametrize("shape", [(960, 576), (100, 250), (70, 200)])
+def test_a_rows_result_does_not_depend_on_the_batch(shape):
+    """From 3 rows on, every fp32 tile of the AVX-512 build sums each output in one chain of
+    FMAs over the inputs in order (one-panel tiles, pairs in input blocks, pairs over all
+    inputs): a row's logits are the same bits whatever the batch around it. (One and two rows
+    take two chains over alternate inputs: more FMAs in flight for a latency-bound tile.)"""
+    gen = torch.Generator().manual_seed(5)
+    m = woq.PanelLinear(torch.randn(*shape, generator=gen))
+    x = torch.randn(300, shape[1], generator=gen)
+    first = m(x[:3])
+    for rows in (*range(4, 40), 63, 64, 65, 96, 127, 128, 129, 200, 300):
+        assert torch.equal(m(x[:rows])[:3], first), rows
 
 
 @pytest.mark.parametrize("width", [32, 24])
