@@ -868,8 +868,10 @@ void tile_pair_block_rows(int64_t rows, const float* x, int64_t K, int64_t k0, i
 // next pair's first (next_panels 2, or 1: the last odd panel; 0: none).
 void panel_pair_blocks(const float* x, int64_t K, const float* w, const Dest& d0, const Dest& d1,
                        int64_t r0, int64_t r1, int64_t next_panels) {
+  // tiles of as even sizes as can be (32 rows: 6, 6, 5, 5, 5, 5 rather than 6 x 5 and 2:
+  // 1.02-1.03x at 14-44 rows)
   const int64_t tiles = (r1 - r0 + kPairRows - 1) / kPairRows;
-  const int64_t per = (r1 - r0 + tiles - 1) / tiles;
+  const int64_t size = (r1 - r0) / tiles, larger = (r1 - r0) % tiles;
   alignas(64) float c[kPairBlockRowsMax * 64];
   for (int64_t k0 = 0; k0 < K; k0 += kPairBlock) {
     const int64_t k1 = std::min(K, k0 + kPairBlock);
@@ -886,9 +888,9 @@ void panel_pair_blocks(const float* x, int64_t K, const float* w, const Dest& d0
     const int64_t lines = 2 * next_inputs;  // a panel's lines in the next block
     // tile t of T prefetches lines [t L / T, (t + 1) L / T) of each panel's L, spread evenly
     const int64_t rate = n0 ? ((lines << 16) + tiles * (k1 - k0) - 1) / (tiles * (k1 - k0)) : 0;
-    for (int64_t m = r0, t = 0; m < r1; m += per, t++) {
+    for (int64_t m = r0, t = 0; m < r1; m += size + (t < larger), t++) {
       const int64_t skip = (t * lines / tiles) * 16;
-      tile_pair_block_rows<kPairRows>(std::min<int64_t>(r1 - m, per), x, K, k0, k1, w,
+      tile_pair_block_rows<kPairRows>(size + (t < larger), x, K, k0, k1, w,
                                       c + (m - r0) * 64, k0 == 0, last, d0, d1, m,
                                       n0 ? n0 + skip : nullptr, n1 ? n1 + skip : nullptr, rate);
     }
