@@ -39,7 +39,7 @@
 // on, the AVX-512 build takes fp32 panels in pairs (tile_pair: 6 rows x 64 features), closer to
 // the FMA peak in prefills; from 4 rows to 127 the pairs run their inputs in blocks that every
 // row tile takes in turn (panel_pair_blocks: the weight stream then overlaps all the compute,
-// not only the first tile's: SmolLM2's linears 1.2-1.4x faster at 7-32 rows).
+// not only the first tile's: SmolLM2's linears 1.14-1.27x faster at 8-32 rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -803,9 +803,10 @@ void panel_pair_rows(const float* x, int64_t K, const float* w, const Dest& d0, 
 // memory stream runs all along the compute instead of in the first tile's pass of a whole
 // pair. Each output is still one chain of FMAs over k = 0..K-1 in order: the same bits as
 // tile_pair, and as any other row count. SmolLM2's 30 layers of linears on the Intel Xeon VM
-// (weights from memory, 2 threads, old vs this build alternated in one process, 9 repeats):
-// 1 row 1.06x, 4-6 rows 1.06-1.08x, 7-9 rows 1.31-1.39x, 12-24 rows 1.19-1.25x, 32 rows 1.21x,
-// 48 1.09x, 64 1.03-1.07x; 128 even and 256-550 0.96x (compute-bound: the whole-K tiles stay).
+// (weights from memory, 2 threads, the one-panel / whole-K pair tiles before vs this,
+// alternated in one process, 9 repeats): 4 rows 1.01x, 8-16 rows 1.22-1.23x, 24 1.27x, 32
+// 1.14x, 48 1.09x, 64-127 1.02-1.21x; at 256-550 rows blocks measured 0.96x against the
+// whole-K tiles (compute-bound), which stay from kPairWholeRows on.
 constexpr int64_t kPairBlock = 96;  // inputs per block (64 and 128 measured alike or slower)
 constexpr int64_t kPairBlockMinRows = 4;  // 2-3 rows: 0.97x (the one-panel tiles stay)
 constexpr int64_t kPairWholeRows = 128;  // from here on tile_pair over all K
@@ -917,7 +918,8 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
       // work items (pair, row block), pair major: a pair's later row blocks read it from L2,
       // and pairs of few panels split evenly (SmolLM2's o_proj and down_proj have 9 pairs,
       // 5 / 4 between two threads when a thread took a pair for all rows). SmolLM2's 30
-      // layers of linears against row-block-major per thread: 128-550 rows 1.07-1.09x, 1024 1.04x
+      // layers of linears against row-block-major per thread: 128-550 rows 1.07-1.09x, 1024
+      // 1.04x
       parallel_panels(row_blocks * pairs, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; i++) {
           const int64_t b = i % row_blocks, q = i / row_blocks;
@@ -931,7 +933,8 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
           const Dest d1{out + (p + 1) * kPanel, N, std::min(kPanel, N - (p + 1) * kPanel),
                         nullptr};
           // the next pair is prefetched by the pair's last row block only (the next item)
-          const int64_t next_panels = b + 1 < row_blocks ? 0 : std::min<int64_t>(2, panels - p - 2);
+          const int64_t next_panels =
+              b + 1 < row_blocks ? 0 : std::min<int64_t>(2, panels - p - 2);
           if (whole) panel_pair_rows(x, K, w + p * K * kPanel, d0, d1, r0, r1, next_panels);
           else panel_pair_blocks(x, K, w + p * K * kPanel, d0, d1, r0, r1, next_panels);
         }
