@@ -730,6 +730,34 @@ constexpr int64_t kPairAhead = 8;  // inputs ahead that a pair tile prefetches i
 // rows even, 48 1.02x, 64 1.05x, 128 1.08x, 256 1.08x, 1024 1.13x (353 GFLOP/s, torch.mm ~380);
 // the logits 1.01-1.13x; 8 and 16 rows 0.95x.
 
+// One input k of a pair tile: the pair's four weight vectors at k (w: the first panel, w1:
+// the second) times x[m, k] into the MR rows' accumulators; and the tile's results stored.
+template <int MR>
+inline __attribute__((always_inline)) void pair_fma(vf (&acc)[MR][4], const float* xm,
+                                                    int64_t ldx, int64_t k, const float* w,
+                                                    const float* w1) {
+  const vf a0 = vload(w + k * kPanel), a1 = vload(w + k * kPanel + 16);
+  const vf b0 = vload(w1 + k * kPanel), b1 = vload(w1 + k * kPanel + 16);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++) {
+    const vf xb = vbcast(xm + m * ldx + k);
+    acc[m][0] = vfma(a0, xb, acc[m][0]);
+    acc[m][1] = vfma(a1, xb, acc[m][1]);
+    acc[m][2] = vfma(b0, xb, acc[m][2]);
+    acc[m][3] = vfma(b1, xb, acc[m][3]);
+  }
+}
+
+template <int MR>
+inline __attribute__((always_inline)) void pair_store(const vf (&acc)[MR][4], const Dest& d0,
+                                                      const Dest& d1, int64_t m0) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++) {
+    store_pair(d0, m0 + m, 0, acc[m][0], acc[m][1]);
+    store_pair(d1, m0 + m, 0, acc[m][2], acc[m][3]);
+  }
+}
+
 // MR (<= kPairRows) rows x two adjacent fp32 panels (64 features): 4 x MR accumulators, and
 // per input k four weight vectors and MR broadcasts for 4 MR FMAs (a one-panel tile of 12
 // rows: two weight vectors and 12 broadcasts for 24 FMAs, and 12 row pointers, more than the
@@ -753,22 +781,9 @@ void tile_pair(const float* x, int64_t ldx, int64_t K, const float* w, const Des
     _mm_prefetch((const char*)(w1 + (k + kPairAhead) * kPanel), _MM_HINT_T0);
     _mm_prefetch((const char*)(w1 + (k + kPairAhead) * kPanel + 16), _MM_HINT_T0);
     if (rate > 0) _mm_prefetch((const char*)(next + ((k * rate) >> 16) * 16), kStreamHint);
-    const vf a0 = vload(w + k * kPanel), a1 = vload(w + k * kPanel + 16);
-    const vf b0 = vload(w1 + k * kPanel), b1 = vload(w1 + k * kPanel + 16);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; m++) {
-      const vf xb = vbcast(xm + m * ldx + k);
-      acc[m][0] = vfma(a0, xb, acc[m][0]);
-      acc[m][1] = vfma(a1, xb, acc[m][1]);
-      acc[m][2] = vfma(b0, xb, acc[m][2]);
-      acc[m][3] = vfma(b1, xb, acc[m][3]);
-    }
+    pair_fma<MR>(acc, xm, ldx, k, w, w1);
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; m++) {
-    store_pair(d0, m0 + m, 0, acc[m][0], acc[m][1]);
-    store_pair(d1, m0 + m, 0, acc[m][2], acc[m][3]);
-  }
+  pair_store<MR>(acc, d0, d1, m0);
 }
 
 template <int MAX>
@@ -828,27 +843,13 @@ void tile_pair_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const 
       _mm_prefetch((const char*)(n0 + line), kStreamHint);
       if (n1) _mm_prefetch((const char*)(n1 + line), kStreamHint);
     }
-    const vf a0 = vload(w + k * kPanel), a1 = vload(w + k * kPanel + 16);
-    const vf b0 = vload(w1 + k * kPanel), b1 = vload(w1 + k * kPanel + 16);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; m++) {
-      const vf xb = vbcast(xm + m * ldx + k);
-      acc[m][0] = vfma(a0, xb, acc[m][0]);
-      acc[m][1] = vfma(a1, xb, acc[m][1]);
-      acc[m][2] = vfma(b0, xb, acc[m][2]);
-      acc[m][3] = vfma(b1, xb, acc[m][3]);
-    }
+    pair_fma<MR>(acc, xm, ldx, k, w, w1);
   }
+  if (last) return pair_store<MR>(acc, d0, d1, m0);
 #pragma GCC unroll 8
-  for (int m = 0; m < MR; m++) {
-    if (last) {
-      store_pair(d0, m0 + m, 0, acc[m][0], acc[m][1]);
-      store_pair(d1, m0 + m, 0, acc[m][2], acc[m][3]);
-    } else {
+  for (int m = 0; m < MR; m++)
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; j++) vstore(c + m * 64 + j * W, acc[m][j]);
-    }
-  }
+    for (int j = 0; j < 4; j++) vstore(c + m * 64 + j * W, acc[m][j]);
 }
 
 template <int MAX>
