@@ -244,11 +244,16 @@ class ThreadTuner:
             return
         key.recheck = probe < best * (1 - self.cfg.switch_margin)  # switched: check the old
         if key.recheck:
-            key.best, key.reference, loser = alt, probe, best / probe
+            # the old count is re-measured after the shortest gap, however slow it read: its
+            # estimate may rest on one forward that paid a one-off cost (a kernel or the C++
+            # layer loop set up inside it: 0.58 s for a 25 ms verify forward), which would
+            # otherwise keep the key on the slower count for ~200 of its forwards
+            key.best, key.reference = alt, probe
+            key.gap = self.cfg.min_gap
             self.switches += 1
         else:
-            key.reference, loser = best, probe / best
-        key.gap = self._gap(loser)
+            key.reference = best
+            key.gap = self._gap(probe / best)
 
     def _gap(self, slowdown: float) -> int:
         """Forwards between probes so that probing a count `slowdown` times slower than the

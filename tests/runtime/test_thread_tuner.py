@@ -269,6 +269,27 @@ def test_a_slow_forward_is_evidence_enough_on_its_own():
     assert used == [2, 1, 1, 1, 1, 1]
 
 
+def test_a_one_off_cost_in_a_keys_first_forward_does_not_hold_it_on_the_slower_count():
+    """The first forward on the best count paid a one-off set-up (0.58 s where the forward
+    takes 25 ms): its estimate is enough evidence on its own (a slow forward), so the probe of
+    1 thread (45 ms) switches; the old count is re-measured after the shortest gap, not after
+    the ~200 forwards that its 13x-slower reading would space probes by."""
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    first = [True]
+
+    def cost(n, now):
+        if n == 2 and first[0]:
+            first[0] = False
+            return 0.58
+        return {1: 0.045, 2: 0.025}[n]
+
+    used = run(tuner, clock, cost, 60, kind=EXTEND, tokens=12)
+    assert used[:4] == [2, 1, 1, 1] and tuner.switches == 2
+    assert used.index(2, 1) <= 1 + 3 + tuner.cfg.min_gap + 1
+    assert used[-30:].count(2) >= 29  # (at most the one-forward re-check of 1 after the switch)
+
+
 def test_busy_seconds_reads_proc_stat():
     line = "cpu  800 100 50 9000 40 5 5 40 7 0"  # user nice system idle iowait irq softirq steal
     assert busy_seconds(line, 100) == pytest.approx((800 + 100 + 50 + 5 + 5 + 40) / 100)
