@@ -730,14 +730,14 @@ constexpr int64_t kPairAhead = 8;  // inputs ahead that a pair tile prefetches i
 // rows even, 48 1.02x, 64 1.05x, 128 1.08x, 256 1.08x, 1024 1.13x (353 GFLOP/s, torch.mm ~380);
 // the logits 1.01-1.13x; 8 and 16 rows 0.95x.
 
-// One input k of a pair tile: the pair's four weight vectors at k (w: the first panel, w1:
-// the second) times x[m, k] into the MR rows' accumulators; and the tile's results stored.
+// One input k of a pair tile: the pair's four weight vectors of input k (at w in the first
+// panel, w1 in the second) times x[m, k] into the MR rows' accumulators; and the tile's
+// results stored.
 template <int MR>
 inline __attribute__((always_inline)) void pair_fma(vf (&acc)[MR][4], const float* xm,
                                                     int64_t ldx, int64_t k, const float* w,
                                                     const float* w1) {
-  const vf a0 = vload(w + k * kPanel), a1 = vload(w + k * kPanel + 16);
-  const vf b0 = vload(w1 + k * kPanel), b1 = vload(w1 + k * kPanel + 16);
+  const vf a0 = vload(w), a1 = vload(w + 16), b0 = vload(w1), b1 = vload(w1 + 16);
 #pragma GCC unroll 8
   for (int m = 0; m < MR; m++) {
     const vf xb = vbcast(xm + m * ldx + k);
@@ -781,7 +781,7 @@ void tile_pair(const float* x, int64_t ldx, int64_t K, const float* w, const Des
     _mm_prefetch((const char*)(w1 + (k + kPairAhead) * kPanel), _MM_HINT_T0);
     _mm_prefetch((const char*)(w1 + (k + kPairAhead) * kPanel + 16), _MM_HINT_T0);
     if (rate > 0) _mm_prefetch((const char*)(next + ((k * rate) >> 16) * 16), kStreamHint);
-    pair_fma<MR>(acc, xm, ldx, k, w, w1);
+    pair_fma<MR>(acc, xm, ldx, k, w + k * kPanel, w1 + k * kPanel);
   }
   pair_store<MR>(acc, d0, d1, m0);
 }
@@ -843,7 +843,7 @@ void tile_pair_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const 
       _mm_prefetch((const char*)(n0 + line), kStreamHint);
       if (n1) _mm_prefetch((const char*)(n1 + line), kStreamHint);
     }
-    pair_fma<MR>(acc, xm, ldx, k, w, w1);
+    pair_fma<MR>(acc, xm, ldx, k, w + (k - k0) * kPanel, w1 + (k - k0) * kPanel);
   }
   if (last) return pair_store<MR>(acc, d0, d1, m0);
 #pragma GCC unroll 8
@@ -854,15 +854,14 @@ void tile_pair_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const 
 
 template <int MAX>
 void tile_pair_block_rows(int64_t rows, const float* x, int64_t K, int64_t k0, int64_t k1,
-                          const float* w, float* c, bool first, bool last, const Dest& d0,
-                          const Dest& d1, int64_t m0, const float* n0, const float* n1,
-                          int64_t rate) {
+                          const float* w, const float* w1, float* c, bool first, bool last,
+                          const Dest& d0, const Dest& d1, int64_t m0, const float* n0,
+                          const float* n1, int64_t rate) {
   if constexpr (MAX > 0) {
     if (rows == MAX)
-      return tile_pair_block<MAX>(x, K, k0, k1, w, w + K * kPanel, c, first, last, d0, d1, m0,
-                                  n0, n1, rate);
-    return tile_pair_block_rows<MAX - 1>(rows, x, K, k0, k1, w, c, first, last, d0, d1, m0, n0,
-                                         n1, rate);
+      return tile_pair_block<MAX>(x, K, k0, k1, w, w1, c, first, last, d0, d1, m0, n0, n1, rate);
+    return tile_pair_block_rows<MAX - 1>(rows, x, K, k0, k1, w, w1, c, first, last, d0, d1, m0,
+                                         n0, n1, rate);
   }
 }
 
@@ -893,10 +892,49 @@ void panel_pair_blocks(const float* x, int64_t K, const float* w, const Dest& d0
     const int64_t rate = n0 ? ((lines << 16) + tiles * (k1 - k0) - 1) / (tiles * (k1 - k0)) : 0;
     for (int64_t m = r0, t = 0; m < r1; m += size + (t < larger), t++) {
       const int64_t skip = (t * lines / tiles) * 16;
-      tile_pair_block_rows<kPairRows>(size + (t < larger), x, K, k0, k1, w,
-                                      c + (m - r0) * 64, k0 == 0, last, d0, d1, m,
-                                      n0 ? n0 + skip : nullptr, n1 ? n1 + skip : nullptr, rate);
+      tile_pair_block_rows<kPairRows>(size + (t < larger), x, K, k0, k1, w + k0 * kPanel,
+                                      w + (K + k0) * kPanel, c + (m - r0) * 64, k0 == 0, last,
+                                      d0, d1, m, n0 ? n0 + skip : nullptr,
+                                      n1 ? n1 + skip : nullptr, rate);
     }
+  }
+}
+
+// The same for int8 / int4 panels of 9-127 rows (their float paths, AVX-512): each block is
+// dequantized once into an L1 buffer (both panels, kPairBlock x 32 floats each) that every
+// row tile then reads; no software prefetch (a block's quantized bytes are 1.5-3 KB a panel).
+// The dequantized values and the order of the sums are those of the one-panel tiles: the same
+// bits. Before, a panel's first 8 rows ran from the quantized weights and the rest from a
+// whole-K dequantized scratch in L2.
+template <class Weights>
+void panel_pair_blocks_quantized(const float* x, int64_t K, const Weights& wa,
+                                 const Weights& wb, const Dest& d0, const Dest& d1, int64_t r0,
+                                 int64_t r1) {
+  const int64_t tiles = (r1 - r0 + kPairRows - 1) / kPairRows;
+  const int64_t size = (r1 - r0) / tiles, larger = (r1 - r0) % tiles;
+  alignas(64) float c[kPairBlockRowsMax * 64];
+  alignas(64) float block[2 * kPairBlock * kPanel];
+  float* const block1 = block + kPairBlock * kPanel;
+  static_assert(kPairBlock % kGroup == 0, "blocks of whole groups");
+  for (int64_t k0 = 0; k0 < K; k0 += kPairBlock) {
+    const int64_t k1 = std::min(K, k0 + kPairBlock);
+    for (int64_t g0 = k0; g0 < k1; g0 += kGroup) {
+      const auto ga = wa.group(g0, 0), gb = wb.group(g0, 0);
+      const int64_t kn = std::min(kGroup, K - g0);  // < kGroup: int8's last, partial group
+      for (int64_t k = 0; k < kn; k++) {
+        vf v0, v1;
+        ga.pair(k, v0, v1);
+        vstore(block + (g0 - k0 + k) * kPanel, v0);
+        vstore(block + (g0 - k0 + k) * kPanel + 16, v1);
+        gb.pair(k, v0, v1);
+        vstore(block1 + (g0 - k0 + k) * kPanel, v0);
+        vstore(block1 + (g0 - k0 + k) * kPanel + 16, v1);
+      }
+    }
+    for (int64_t m = r0, t = 0; m < r1; m += size + (t < larger), t++)
+      tile_pair_block_rows<kPairRows>(size + (t < larger), x, K, k0, k1, block, block1,
+                                      c + (m - r0) * 64, k0 == 0, k1 == K, d0, d1, m, nullptr,
+                                      nullptr, 0);
   }
 }
 #endif
@@ -938,6 +976,31 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
               b + 1 < row_blocks ? 0 : std::min<int64_t>(2, panels - p - 2);
           if (whole) panel_pair_rows(x, K, w + p * K * kPanel, d0, d1, r0, r1, next_panels);
           else panel_pair_blocks(x, K, w + p * K * kPanel, d0, d1, r0, r1, next_panels);
+        }
+      });
+      return;
+    }
+  }
+  if constexpr (!std::is_same_v<decltype(make_weights(0)), Fp32Weights>) {
+    // pairs in blocks (an odd last panel alone) past the direct tile's rows: SmolLM2's 30
+    // layers of linears, alternated: int4 16-32 rows 1.06x, 64 1.10x, 100 1.13x; int8 32
+    // 1.03x, 64 1.07x; 4-8 rows 0.87-0.94x (one direct tile dequantizing in registers)
+    if (M > kDirectRows && M < kPairWholeRows) {
+      const int64_t pairs = (panels + 1) / 2;
+      parallel_panels(pairs, [&](int64_t q0, int64_t q1) {
+        thread_local std::vector<float> scratch;
+        for (int64_t q = q0; q < q1; q++) {
+          const int64_t p = 2 * q;
+          const Dest d0{out + p * kPanel, N, std::min(kPanel, N - p * kPanel),
+                        col_scale ? col_scale + p * kPanel : nullptr};
+          if (p + 1 == panels) {
+            if ((int64_t)scratch.size() < K * kPanel) scratch.resize(K * kPanel);
+            panel_rows(x, K, make_weights(p), d0, 0, M, scratch.data());
+            continue;
+          }
+          const Dest d1{out + (p + 1) * kPanel, N, std::min(kPanel, N - (p + 1) * kPanel),
+                        col_scale ? col_scale + (p + 1) * kPanel : nullptr};
+          panel_pair_blocks_quantized(x, K, make_weights(p), make_weights(p + 1), d0, d1, 0, M);
         }
       });
       return;

@@ -64,14 +64,19 @@ def test_results_do_not_depend_on_the_threads(cls):
 
 
 @pytest.mark.skipif("avx512" not in woq.available_isas(), reason="the AVX-512 build's tiles")
-@pytest.mark.parametrize("shape", [(960, 576), (100, 250), (70, 200)])
-def test_a_rows_result_does_not_depend_on_the_batch(shape):
-    """From 3 rows on, every fp32 tile of the AVX-512 build sums each output in one chain of
-    FMAs over the inputs in order (one-panel tiles, pairs in input blocks, pairs over all
-    inputs): a row's logits are the same bits whatever the batch around it. (One and two rows
-    take two chains over alternate inputs: more FMAs in flight for a latency-bound tile.)"""
+@pytest.mark.parametrize("cls, shape", [
+    ("fp32", (960, 576)), ("fp32", (100, 250)), ("fp32", (70, 200)),
+    ("int8", (960, 576)), ("int8", (100, 250)), ("int4", (960, 576)), ("int4", (70, 224)),
+])
+def test_a_rows_result_does_not_depend_on_the_batch(cls, shape):
+    """From 3 rows on, every tile of the AVX-512 build (fp32, and int8 / int4 dequantized in
+    registers or into a block buffer) sums each output in one chain of FMAs over the inputs in
+    order (one-panel tiles, pairs in input blocks, pairs over all inputs): a row's result is
+    the same bits whatever the batch around it. (One and two rows take two chains over
+    alternate inputs, or int4's folded scale: more FMAs in flight for a latency-bound tile.)"""
     gen = torch.Generator().manual_seed(5)
-    m = woq.PanelLinear(torch.randn(*shape, generator=gen))
+    make = {"fp32": woq.PanelLinear, "int8": woq.Int8Linear, "int4": woq.Int4Linear}[cls]
+    m = make(torch.randn(*shape, generator=gen))
     x = torch.randn(300, shape[1], generator=gen)
     first = m(x[:3])
     for rows in (*range(4, 40), 63, 64, 65, 96, 127, 128, 129, 200, 300):

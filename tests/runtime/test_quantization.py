@@ -28,12 +28,15 @@ def _reference(m: woq._QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("cls", KERNELS)
-@pytest.mark.parametrize("shape", [(960, 576), (13, 64), (7, 96)])  # odd rows: the tail path
+# odd rows: the tail path; 224 inputs: the AVX-512 pairs' input blocks of 96, 96 and 32, and
+# 70 outputs: a pair and an odd last panel
+@pytest.mark.parametrize("shape", [(960, 576), (13, 64), (7, 96), (70, 224)])
 def test_quantized_linear_equals_dequantized_reference(cls, shape):
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
     m = cls(weight, bias)
-    for rows in (0, 1, 2, 3, 5, 9, 13, 33, 131):  # none, register tiles, tails, blocks of 64
+    # none, register tiles, tails, pairs in input blocks (4-127), blocks of 64
+    for rows in (0, 1, 2, 3, 4, 5, 9, 13, 33, 96, 127, 128, 131):
         x = torch.randn(rows, shape[1], generator=gen)
         torch.testing.assert_close(m(x), _reference(m, x), atol=1e-4, rtol=1e-4)
     x = torch.randn(2, 3, shape[1], generator=gen)  # leading dims are kept
