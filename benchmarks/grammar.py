@@ -1,10 +1,12 @@
 """Constrained-generation benchmark (issue 4), both grammar backends side by side.
 
     python -m benchmarks.grammar [--model DIR] [--backends xgrammar,outlines] [--dev-tokens 48]
+        [--repeats 3] [--only-extraction | --only-long] [--skip-dev]
 
 1. extraction: 32 JSON-schema requests (a schema with fixed keys: name, age, tags) vs the same
    32 prompts unconstrained (ignore_eos, as many tokens as the constrained run produced on
-   average): output tokens/s, constrained / unconstrained, and validity of the outputs.
+   average): output tokens/s, constrained / unconstrained (both warmed up, then timed in
+   turns, --repeats times: medians), and validity of the outputs.
 2. jump-forward: model forward passes per request (the scheduler's `request_forwards` counter)
    for the same constrained requests with jump-forward on and off, and whether the texts agree.
 3. compile time per schema: cold (first submit) and cached (second submit), GrammarManager on
@@ -40,7 +42,9 @@ def _stats_delta(engine, before: dict) -> dict:
     return {k: after[k] - before[k] for k in ("request_forwards", "forced_tokens")}
 
 
-def extraction(model: str, backend: str, n: int = 32) -> dict:
+def extraction(model: str, backend: str, n: int = 32, repeats: int = 3) -> dict:
+    import statistics
+
     import jsonschema
 
     import plait
@@ -51,15 +55,18 @@ def extraction(model: str, backend: str, n: int = 32) -> dict:
     schema = json.loads(w.json_schema)
     cons = {"max_new_tokens": w.max_new_tokens, "temperature": 0, "json_schema": w.json_schema}
     out: dict = {}
+
+    def timed(eng, params) -> tuple[float, list, dict]:
+        eng.flush_cache()
+        before = eng.get_server_info()
+        t = time.perf_counter()
+        res = eng.generate(input_ids=w.prompts, sampling_params=params)
+        return time.perf_counter() - t, res, _stats_delta(eng, before)
+
     for jf in (True, False):
         with plait.Engine(model, grammar_backend=backend, disable_jump_forward=not jf) as eng:
             eng.generate(input_ids=w.prompts[:2], sampling_params=cons)  # compile + warm-up
-            eng.flush_cache()
-            before = eng.get_server_info()
-            t = time.perf_counter()
-            res = eng.generate(input_ids=w.prompts, sampling_params=cons)
-            secs = time.perf_counter() - t
-            delta = _stats_delta(eng, before)
+            secs, res, delta = timed(eng, cons)
             texts = [r["text"] for r in res]
             tokens = sum(r["meta_info"]["completion_tokens"] for r in res)
             finished = [r for r in res if r["meta_info"]["finish_reason"]["type"] == "stop"]
@@ -76,14 +83,23 @@ def extraction(model: str, backend: str, n: int = 32) -> dict:
                 "forced_tokens": delta["forced_tokens"], "finished": len(finished) / n,
                 "finished_valid": valid / max(1, len(finished)), "texts": texts,
             }
-            if jf:  # unconstrained baseline on the same engine: same prompts, same mean length
+            if jf:
+                # unconstrained on the same engine: same prompts, the same mean output length
+                # (ignore_eos). Both are warmed up first (the first batch of a shape pays for
+                # the thread tuner's probes and one-time builds), then timed in turns: medians
                 per = max(1, round(tokens / n))
                 free = {"max_new_tokens": per, "temperature": 0, "ignore_eos": True}
-                eng.flush_cache()
-                t = time.perf_counter()
-                ures = eng.generate(input_ids=w.prompts, sampling_params=free)
-                usecs = time.perf_counter() - t
+                timed(eng, free)
+                cons_s, free_s = [], []
+                for _ in range(repeats):
+                    cons_s.append(timed(eng, cons)[0])
+                    usecs, ures, _ = timed(eng, free)
+                    free_s.append(usecs)
                 utok = sum(r["meta_info"]["completion_tokens"] for r in ures)
+                row["seconds"] = statistics.median(cons_s)
+                row["out_tok_s"] = tokens / row["seconds"]
+                row["repeats"] = {"constrained_s": cons_s, "unconstrained_s": free_s}
+                usecs = statistics.median(free_s)
                 out["unconstrained"] = {"seconds": usecs, "output_tokens": utok,
                                         "out_tok_s": utok / usecs}
             out["jump_forward_on" if jf else "jump_forward_off"] = row
@@ -322,6 +338,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dev-tokens", type=int, default=48)
     ap.add_argument("--skip-dev", action="store_true")
     ap.add_argument("--n", type=int, default=32, help="extraction requests")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="extraction: constrained and unconstrained timed in turns (medians)")
+    ap.add_argument("--only-extraction", action="store_true",
+                    help="only the extraction comparison (printed, no files written)")
     ap.add_argument("--only-long", action="store_true",
                     help="only the long-maxLength per-token-cost check")
     args = ap.parse_args(argv)
@@ -333,13 +353,17 @@ def main(argv=None) -> int:
     res = {"model_name": args.model, "when": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
            "git": _git_rev(), "backends": {}}
     for backend in args.backends.split(","):
+        if args.only_extraction:
+            res["backends"][backend] = {"extraction": extraction(model, backend, args.n,
+                                                                 args.repeats)}
+            continue
         print(f"[{backend}] long-maxLength schemas: per-token cost", flush=True)
         r = {"long_strings": long_strings(model, backend)}
         if args.only_long:
             res["backends"][backend] = r
             continue
         print(f"[{backend}] extraction + jump-forward", flush=True)
-        r["extraction"] = extraction(model, backend, args.n)
+        r["extraction"] = extraction(model, backend, args.n, args.repeats)
         print(f"[{backend}] compile times", flush=True)
         r["compile"] = compile_times(model, backend, schemas)
         if not args.skip_dev:
@@ -348,7 +372,7 @@ def main(argv=None) -> int:
         else:
             r["dev"] = {"error": "skipped"}
         res["backends"][backend] = r
-    if args.only_long:
+    if args.only_long or args.only_extraction:
         print(json.dumps(res, indent=1))
         return 0
     RESULTS.mkdir(exist_ok=True)

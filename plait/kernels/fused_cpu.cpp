@@ -484,6 +484,47 @@ std::vector<torch::Tensor> max_argmax(const torch::Tensor& logits) {
   return {mx, idx};
 }
 
+// Grammar masks in place: logits [B, V] float32, bitmask [B, W] int32 (token t allowed iff bit
+// t % 32 of word t / 32 is set, xgrammar's layout); a banned token's logit becomes -inf, and
+// so does every token past 32 W. A word of all ones (a free string's letters) is skipped; the
+// others are two masked stores of -inf (AVX-512) or a loop over their zero bits. xgrammar's
+// CPU kernel took ~1.1 ms a step for 32 rows of SmolLM2's 49,152 tokens here.
+void apply_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(bitmask.device().is_cpu() && bitmask.scalar_type() == torch::kInt32 &&
+                  bitmask.dim() == 2 && bitmask.stride(1) == 1,
+              "bitmask: [rows, words] int32 CPU with unit column stride");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(bitmask.size(0) == rows, "bitmask: one row per logits row");
+  const int64_t words = bitmask.size(1), bstride = bitmask.stride(0);
+  const int64_t covered = std::min(n, 32 * words), full = covered / 32;
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    const __m512 ninf = _mm512_set1_ps(neg_inf);
+#endif
+    for (int64_t r = begin; r < end; ++r) {
+      float* x = lp + r * stride;
+      const uint32_t* b = bp + r * bstride;
+      for (int64_t w = 0; w < full; ++w) {
+        const uint32_t bits = b[w];
+        if (bits == 0xFFFFFFFFu) continue;
+#if defined(__AVX512F__)
+        _mm512_mask_storeu_ps(x + 32 * w, static_cast<__mmask16>(~bits & 0xFFFFu), ninf);
+        _mm512_mask_storeu_ps(x + 32 * w + 16, static_cast<__mmask16>(~bits >> 16), ninf);
+#else
+        for (uint32_t z = ~bits; z != 0; z &= z - 1) x[32 * w + __builtin_ctz(z)] = neg_inf;
+#endif
+      }
+      for (int64_t t = 32 * full; t < covered; ++t)
+        if (!((b[t / 32] >> (t % 32)) & 1u)) x[t] = neg_inf;
+      for (int64_t t = covered; t < n; ++t) x[t] = neg_inf;
+    }
+  });
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------- decode layers
@@ -705,6 +746,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotate q and k of a fused qkv row block, store k and v at the pool slots; returns q");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2 I] gate_up block");
   m.def("max_argmax", &max_argmax, "(amax, argmax) of each row of [B, V] float32 logits");
+  m.def("apply_bitmask_", &apply_bitmask_,
+        "logits [B, V] in place: -inf where the token's bit in bitmask [B, W] int32 is 0");
   m.attr("vector_width") = W;
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<const py::list&, const std::vector<torch::Tensor>&,

@@ -127,6 +127,11 @@ class FusedOps:
         mx, idx = self.module.max_argmax(logits)
         return mx, idx
 
+    def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """logits [B, V] float32 (unit column stride) in place: -inf where the token's bit in
+        bitmask [B, W] int32 is 0, and past 32 W (plait.grammar.base.apply_token_bitmask)."""
+        self.module.apply_bitmask_(logits, bitmask)
+
 
 def _torch_lanes(module: ModuleType) -> tuple[int, int, bool]:
     """The vector widths (8 or 16) of torch's sum and SiLU kernels on this machine.

@@ -127,6 +127,18 @@ class ConstraintTracker:
                 on_error(reqs[i], RequestFailed(f"constraint: {type(e).__name__}: {e}", 500))
         return mask
 
+    def valid_prefix(self, req: Req, tokens: list[int]) -> int:
+        """How many leading `tokens` req's grammar accepts from its current state (which is
+        left unchanged)."""
+        m = req.grammar
+        n = 0
+        for tok in tokens:
+            if not m.accept_token(tok):
+                break
+            n += 1
+        m.rollback(n)
+        return n
+
     def accept(self, req: Req, token: int) -> None:
         m = req.grammar
         if m is None:

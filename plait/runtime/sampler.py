@@ -53,7 +53,7 @@ class Sampler:
             except Exception as e:  # noqa: BLE001 - one request's parameters; the others go on
                 errors[i] = RequestFailed(f"sampling: {type(e).__name__}: {e}", 500)
         if bitmask is not None:
-            apply_token_bitmask(logits, bitmask)
+            apply_bitmask(logits, bitmask)
         row_max, next_ids = max_argmax(logits)
         _check_logits(row_max, reqs, errors)
         rows = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy and i not in errors]
@@ -146,6 +146,27 @@ def _check_logits(row_max: torch.Tensor, reqs: list[Req], errors: dict[int, Requ
             )
         else:
             errors[i] = RequestFailed("the model produced non-finite logits", 500)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Grammar masks in place (apply_token_bitmask): one pass of fused_cpu.cpp on a CPU
+    (float32, built), else xgrammar's kernel or torch."""
+    ops = fused_ops()
+    if (
+        ops is not None
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and bitmask.device.type == "cpu"
+        and bitmask.dtype == torch.int32
+        and bitmask.dim() == 2
+        and bitmask.stride(1) == 1
+        and bitmask.shape[0] == logits.shape[0]
+    ):
+        ops.apply_bitmask_(logits, bitmask)
+    else:
+        apply_token_bitmask(logits, bitmask)
 
 
 def max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

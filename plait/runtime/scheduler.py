@@ -397,9 +397,12 @@ class Scheduler:
             if n > narrow:
                 n = narrow + likely_tokens(req.ngram_index.acceptance, n - narrow)
             if n > 0:
-                drafts[id(req)] = req.ngram_index.propose(req.all_ids, n)
-                budget -= len(drafts[id(req)])
-                rows += len(drafts[id(req)])
+                draft = req.ngram_index.propose(req.all_ids, n)
+                if req.grammar is not None:  # a token the grammar rejects is never accepted
+                    draft = draft[: self.constraints.valid_prefix(req, draft)]
+                drafts[id(req)] = draft
+                budget -= len(draft)
+                rows += len(draft)
         return [drafts.get(id(r), []) for r in reqs]
 
     def _retract_one(self) -> Req | None:
@@ -544,11 +547,7 @@ class Scheduler:
                 assert sampled is not None, "a sampling request got no token"
                 token = sampled
             self._emit(req, [token])
-            follow = self._grammar_follow(req)
-            if follow and self.args.disable_jump_forward:
-                req.forced_ids.extend(follow)  # emitted one per decode step
-            elif follow:
-                self._emit(req, follow)  # appended now; one extend step computes their KV
+            self._force_follow(req)
         self.outputs.add(req)
         if req.finished:
             self._finish(req)
@@ -558,17 +557,22 @@ class Scheduler:
         after the pending token and after each draft token. The tokens the model picks up to
         its first disagreement with the draft, plus that one, are exactly what plain decoding
         would emit; the KV of the agreed draft tokens is kept and the rest freed."""
-        res = self.sampler(logits, [req] * logits.shape[0], None)
-        accepted = accepted_prefix(draft, res.next_ids)  # an error row (-1) never agrees
-        if accepted in res.errors:
-            raise res.errors[accepted]
-        before = len(req.output_ids)
-        self._emit(req, res.next_ids[: accepted + 1])  # stops at EOS, stop strings, length
-        emitted = len(req.output_ids) - before
-        if req.return_logprob:
-            for k in range(emitted):
-                logprobs.record_output_logprob(req, res.logprobs[k], res.next_ids[k])
-        kept = min(accepted, emitted)  # draft tokens now in the output, with their KV computed
+        if req.grammar is not None:
+            kept = accepted = self._verify_constrained(req, logits, draft)
+            if req.finished and self.reqs.get(req.rid) is not req:
+                return  # failed (its grammar raised): already freed
+        else:
+            res = self.sampler(logits, [req] * logits.shape[0], None)
+            accepted = accepted_prefix(draft, res.next_ids)  # an error row (-1) never agrees
+            if accepted in res.errors:
+                raise res.errors[accepted]
+            before = len(req.output_ids)
+            self._emit(req, res.next_ids[: accepted + 1])  # stops at EOS, stop strings, length
+            emitted = len(req.output_ids) - before
+            if req.return_logprob:
+                for k in range(emitted):
+                    logprobs.record_output_logprob(req, res.logprobs[k], res.next_ids[k])
+            kept = min(accepted, emitted)  # draft tokens now in the output, with their KV computed
         self.kv.commit(req, kept)
         self.kv.free_uncommitted(req)
         req.spec_accepted_tokens += kept
@@ -578,6 +582,47 @@ class Scheduler:
         self.outputs.add(req)
         if req.finished:
             self._finish(req)
+
+    def _verify_constrained(
+        self, req: Req, logits: torch.Tensor, draft: list[int]
+    ) -> int:
+        """_verify_draft for a request with a grammar, one row at a time in plain decoding's
+        order: row j is masked by the matcher's state after the tokens emitted before it, its
+        token is emitted (advancing the matcher), and text the grammar forces after it (jump-
+        forward, a closing near the budget) is appended as plain decoding would, which ends
+        the draft's use: the model would be fed that text next, not the draft. Returns how many
+        draft tokens are kept (agreed with, and followed by a row verified after them)."""
+        kept = 0
+        for j in range(logits.shape[0]):
+            row = logits[j : j + 1]  # masked in place: each row is used once
+            mask = self.constraints.bitmask([req], row.shape[1], self.fail)
+            if req.finished:
+                break
+            res = self.sampler(row, [req], mask)
+            if 0 in res.errors:
+                raise res.errors[0]
+            token = res.next_ids[0]
+            self._emit(req, [token])  # stops at EOS, stop strings, length
+            if req.return_logprob:
+                logprobs.record_output_logprob(req, res.logprobs[0], token)
+            # as after any sampled token, the grammar's forced text comes next; the token
+            # then stays pending (its KV recomputed with that text, or fed before it)
+            forced = self._force_follow(req)
+            if forced or req.finished or j == len(draft) or token != draft[j]:
+                break
+            kept += 1  # the draft token's KV, computed at this position, is the model's
+        return kept
+
+    def _force_follow(self, req: Req) -> bool:
+        """After a sampled token: the tokens its grammar forces next are appended now (one
+        extend step computes their KV), or, with jump-forward off, queued to be fed one per
+        decode step. Whether there were any."""
+        follow = self._grammar_follow(req)
+        if follow and self.args.disable_jump_forward:
+            req.forced_ids.extend(follow)  # emitted one per decode step
+        elif follow:
+            self._emit(req, follow)
+        return bool(follow)
 
     def _grammar_follow(self, req: Req) -> list[int]:
         """Tokens the grammar forces next: a closing near the budget, else jump-forward."""
@@ -618,11 +663,12 @@ class Scheduler:
 
 
 def _may_speculate(req: Req) -> bool:
-    """Whether a draft's verification is exact with the sampler's plain greedy rows: greedy,
-    no penalties (they depend on the tokens before each row), past min_new_tokens, and no
-    grammar (its mask would have to advance through the draft)."""
+    """Whether a draft's verification is exact with the sampler's greedy rows: greedy, no
+    penalties (they depend on the tokens before each row), past min_new_tokens, and no forced
+    tokens queued (jump-forward off). A grammar's rows are verified one at a time, the matcher
+    advancing through the draft (_verify_constrained)."""
     sp = req.sampling
     return (
-        sp.is_greedy and not sp.has_penalties and sp.constraint is None and req.grammar is None
+        sp.is_greedy and not sp.has_penalties and not req.forced_ids
         and len(req.output_ids) >= sp.min_new_tokens
     )

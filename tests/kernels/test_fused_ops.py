@@ -167,6 +167,34 @@ def test_max_argmax_is_amax_and_argmax(ops, n):
         assert torch.allclose(mx, t.amax(dim=-1), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("n,words", [(49152, 1536), (100, 4), (100, 3), (37, 2), (5, 1)])
+def test_apply_bitmask_matches_the_reference(ops, n, words):
+    """The in-place grammar mask: -inf exactly where the token's bit is 0 (xgrammar's layout,
+    bit t % 32 of word t / 32), and past 32 * words; the rest untouched. Rows of every kind: all
+    allowed (skipped words), none, random bits, one token, strided logits rows."""
+    from plait.grammar.base import _apply_torch
+
+    gen = torch.Generator().manual_seed(n + words)
+    base = torch.randn(6, n + 3, generator=gen)
+    x = base[:, :n]  # rows n + 3 apart
+    bits = torch.randint(-(2**31), 2**31 - 1, (6, words), generator=gen, dtype=torch.int64)
+    bits = bits.to(torch.int32)
+    bits[0] = -1
+    bits[1] = 0
+    bits[2] = 0
+    bits[2, 0] = 1 << 3  # token 3 alone
+    bits[3, : words // 2] = -1  # a free string's words, then random ones
+    want = x.clone()
+    covered = min(n, 32 * words)
+    _apply_torch(want, bits, covered)
+    want[:, covered:] = float("-inf")
+    got_base = base.clone()
+    got = got_base[:, :n]
+    ops.apply_bitmask_(got, bits)
+    assert torch.equal(got, want) and torch.equal(got_base[:, n:], base[:, n:])
+    assert torch.isinf(got[1]).all() and torch.isfinite(got[0, :covered]).all()
+
+
 def test_decode_layers_refuses_an_entry_point_of_another_signature(ops):
     """DecodeLayers calls the linear and attention kernels through exported addresses: each
     comes with its signature, and one that is not the expected one is refused by name."""

@@ -90,11 +90,12 @@ def test_bad_constraints_fail_alone(engine, params, word):
 
 def test_jump_forward_saves_forwards_and_off_forces_nothing(tiny_llama):
     # off, the model decodes every token under the mask (what vLLM does): one forward each;
-    # on, forced text costs no forward of its own
+    # on, forced text costs no forward of its own (speculation off: its drafts would stand in
+    # for forwards too, test_speculative.py)
     sp = {"max_new_tokens": 80, "temperature": 0.0, "json_schema": json.dumps(SCHEMA)}
     results = {}
     for jf in (False, True):
-        with plait.Engine(tiny_llama, disable_jump_forward=not jf) as eng:
+        with plait.Engine(tiny_llama, disable_jump_forward=not jf, speculative_ngram=0) as eng:
             outs = eng.generate(PROMPTS, sp)
             for o in outs:
                 if finished_ok(o):
