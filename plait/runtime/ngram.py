@@ -43,14 +43,19 @@ class NgramIndex:
         self.indexed_end = max(self.indexed_end, len(ids) - 1)
 
     def propose(self, ids: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier match of ids' longest suffix n-gram."""
+        """The k tokens that followed the latest earlier match of ids' longest suffix n-gram.
+        A match p < k tokens before the end is a loop of period p (the sequence repeats its
+        last p tokens): the draft goes on around it, as the loop would (a model repeating
+        `-1-1-1` is drafted 4 tokens at a time, not the 2 that followed the match)."""
         if k <= 0:
             return []
         self._update(ids)
         for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
             end = self.ends[n].get(tuple(ids[-n:]))
             if end is not None:
-                return ids[end : end + k]
+                loop = ids[end:]
+                return ids[end : end + k] if len(loop) >= k else [
+                    loop[i % len(loop)] for i in range(k)]
         return []
 
 

@@ -29,7 +29,10 @@ def test_ngram_index_proposes_after_the_latest_longest_match():
     assert idx.propose([4, 5, 6], 3) == []  # (fresh index) nothing repeats
     assert NgramIndex(2, 3).propose([1, 2, 1], 2) == []  # 1-grams below min_n
     assert NgramIndex(1, 3).propose([1, 2, 1], 2) == [2, 1]
-    assert NgramIndex(1, 1).propose([4, 4, 4], 5) == [4]  # never past the sequence's end
+    # a match near the end is a loop: the draft goes around it
+    assert NgramIndex(1, 1).propose([4, 4, 4], 5) == [4, 4, 4, 4, 4]
+    assert NgramIndex(1, 3).propose([9, 5, 7, 5, 7], 5) == [5, 7, 5, 7, 5]
+    assert NgramIndex(1, 3).propose([1, 2, 3, 1, 2], 2) == [3, 1]  # (period 3, k 2)
 
 
 def test_accepted_prefix():
