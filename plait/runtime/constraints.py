@@ -35,6 +35,19 @@ _CLOSER_TEXTS = ['"}', "]}", "}}", '"]', "0}", "0]", '"', "}", "]", ",", ":", '"
                  '""', "[]", "{}", "0", "null", "false", "true", "1", "a", " "]
 
 
+def utf8_missing_bytes(text: bytes) -> int:
+    """How many continuation bytes the last UTF-8 character of `text` still lacks (0 when it
+    ends with a whole character, or with bytes that are not the start of one)."""
+    for back in range(1, min(4, len(text)) + 1):
+        c = text[-back]
+        if c < 0x80:
+            return 0
+        if c >= 0xC0:  # the character's first byte: 110xxxxx, 1110xxxx or 11110xxx
+            width = 2 if c < 0xE0 else 3 if c < 0xF0 else 4
+            return max(0, width - back)
+    return 0
+
+
 def _prefix_successor(prefix: bytes) -> bytes | None:
     """The least byte string greater than every string that starts with `prefix`: its last
     byte below 0xff incremented, what follows it dropped; None when there is none (the
@@ -56,6 +69,7 @@ class ConstraintTracker:
         self._spelled = None
         self._spelling_thread: threading.Thread | None = None
         self._mask_scratch: torch.Tensor | None = None  # one row, for _extension_allowed
+        self._continuations: list[int] | None = None  # single-byte tokens 0x80-0xBF
 
     @property
     def manager(self):
@@ -215,7 +229,7 @@ class ConstraintTracker:
         loop would otherwise spend at once on the first hold-back check, holding up every
         request in flight. (Python work, so it shares the GIL with the loop, which spends
         most of a step in kernels that release it.)"""
-        if self.args.disable_jump_forward or self._spelled is not None:
+        if self._spelled is not None:  # (the closing planner reads it with jump-forward off)
             return
         if self._spelling_thread is None:
             self._spelling_thread = threading.Thread(
@@ -256,11 +270,50 @@ class ConstraintTracker:
             return []
         # the shortest-first pass only pays when the last plan was short
         shortest = not last_len or last_len <= CLOSE_SHORTEST_DEPTH
-        plan = self._plan_closing(m, remaining - 1, shortest)
+        plan = self._plan_after(req, remaining - 1, shortest)
         req.closing_plan = ClosingPlan(len(plan) if plan is not None else -1, remaining)
         if plan is None or len(plan) + 1 + CLOSE_MARGIN < remaining:
             return []
         return plan + [self._accepted_eos(m, plan)]
+
+    def _plan_after(self, req: Req, max_len: int, shortest: bool) -> list[int] | None:
+        """_plan_closing from the end of req's output. An output that ends inside a UTF-8
+        character (a byte-level token of its first bytes) completes it first: until then the
+        grammar takes only continuation bytes, no quote and no closer, and a plan searched from
+        there found nothing, so a string cut mid-character ran to the budget unclosed."""
+        m = req.grammar
+        head = self._complete_character(req)
+        if head is None or len(head) > max_len:
+            return None
+        for tok in head:
+            m.accept_token(tok)  # (each one accepted in this state by _complete_character)
+        try:
+            plan = self._plan_closing(m, max_len - len(head), shortest)
+        finally:
+            m.rollback(len(head))
+        return None if plan is None else head + plan
+
+    def _complete_character(self, req: Req) -> list[int] | None:
+        """The continuation-byte tokens that end a UTF-8 character left open at the end of
+        req's output (the lowest byte the grammar takes, each); [] when none is open, None when
+        the grammar takes none."""
+        spelled = self._spelling()[0]
+        tail = b"".join(spelled[t] or b"" for t in req.output_ids[-4:] if t < len(spelled))
+        need = utf8_missing_bytes(tail)
+        if not need:
+            return []
+        if self._continuations is None:
+            self._continuations = [t for t, b in enumerate(spelled)
+                                   if b is not None and len(b) == 1 and 0x80 <= b[0] <= 0xBF]
+            self._continuations.sort(key=lambda t: spelled[t])
+        m, head = req.grammar, []
+        for _ in range(need):
+            tok = next((t for t in self._continuations if m.accept_token(t)), None)
+            if tok is None:
+                break
+            head.append(tok)
+        m.rollback(len(head))
+        return head if len(head) == need else None
 
     def _accepted_eos(self, m, plan: list[int]) -> int:
         for tok in plan:

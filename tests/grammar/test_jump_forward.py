@@ -133,13 +133,14 @@ def test_spelling_index_is_built_off_the_loop_once_a_grammar_is_used(tokenizer, 
                                                                     eos_ids):
     """The first constrained request starts the index's build in a background thread (the
     first hold-back check then finds it ready instead of building it on the scheduler loop);
-    with jump-forward off nothing is built."""
+    with jump-forward off too (the closing planner reads the tokens' bytes)."""
     t = tracker(tokenizer, vocab_size, eos_ids)
     off = tracker(tokenizer, vocab_size, eos_ids, disable_jump_forward=True)
     try:
         assert t._spelling_thread is None and t._spelled is None
         t.manager, off.manager  # noqa: B018 - created on first use, as the scheduler does
-        assert t._spelling_thread is not None and off._spelling_thread is None
+        assert t._spelling_thread is not None and off._spelling_thread is not None
+        off._spelling_thread.join(timeout=60)
         t._spelling_thread.join(timeout=60)
         assert t._spelled is not None
         spelled, (keys, ids) = t._spelling()

@@ -106,3 +106,51 @@ def test_closing_planner_work_is_bounded_whatever_the_max_length(backends, token
     assert all(0 < c <= bound for c in calls.values()), calls
     assert plans[16] is not None and plans[2048] is not None
     assert len(plans[2048]) == len(plans[16])  # the same short closing, not a walk to the bound
+
+
+def test_utf8_missing_bytes():
+    assert constraints.utf8_missing_bytes(b'"ab') == 0
+    assert constraints.utf8_missing_bytes("é".encode()) == 0
+    assert constraints.utf8_missing_bytes(b"a\xc3") == 1  # the first of 2 bytes
+    assert constraints.utf8_missing_bytes(b"\xe2\x82") == 1  # 2 of 3 (the euro sign)
+    assert constraints.utf8_missing_bytes(b"\xf0") == 3
+    assert constraints.utf8_missing_bytes(b"\x80\x80") == 0  # no first byte: not ours to end
+    assert constraints.utf8_missing_bytes(b"") == 0
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("open_bytes", [b"\xc3", b"\xe2\x82"])
+def test_closing_completes_a_character_left_open(backends, tokenizer, eos_ids, spelled, backend,
+                                                 open_bytes):
+    """An output that stops inside a UTF-8 character near the budget (a byte-level token of its
+    first bytes) still gets a closing: the missing continuation bytes, then the closers. The
+    search alone found none there (no quote or closer is allowed mid-character), and the string
+    ran to max_new_tokens unclosed."""
+    from plait.runtime.core import Req
+    from plait.sampling import SamplingParams
+
+    schema = '{"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}'
+    m = backends[backend].compile("json_schema", schema).matcher()
+    for prefix in ('{"s": "ab', '{"s":"ab'):  # (the backends' JSON whitespace differs)
+        ids = tokenizer.encode(prefix, add_special_tokens=False)
+        ids += [spelled.index(bytes([b])) for b in open_bytes]
+        accepted = 0
+        while accepted < len(ids) and m.accept_token(ids[accepted]):
+            accepted += 1
+        m.rollback(accepted)
+        if accepted == len(ids):
+            break
+    assert accepted == len(ids)
+    for t in ids:
+        assert m.accept_token(t)
+    # 5 tokens left: a closing (a byte, '"}', EOS) is due
+    req = Req("r", [1], SamplingParams(max_new_tokens=len(ids) + 5), output_ids=list(ids))
+    req.grammar = m
+    tracker = ConstraintTracker(None, tokenizer, 8256, tuple(eos_ids))
+    plan = tracker.closing(req)
+    assert plan and plan[-1] in eos_ids
+    text = b"".join(spelled[t] for t in ids + plan[:-1]).decode("utf-8")  # whole characters
+    assert json.loads(text)["s"].startswith("ab")
+    for t in plan:  # the matcher was left where it was: the plan is accepted from there
+        assert m.accept_token(t)
+    assert m.is_terminated()

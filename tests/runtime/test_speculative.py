@@ -217,7 +217,7 @@ def test_constrained_drafts_verify_through_the_grammar(make_scheduler, tiny_llam
         text = tok.decode(ids, skip_special_tokens=True)
         if rid[0] == "r":
             assert reason != "stop" or re.fullmatch("([a-z]+ ){2,8}[0-9]{3}", text), text
-        elif rid.endswith(("-40", "-64")) or rid[0] == "a":
+        elif not rid.endswith("-12"):  # (12 tokens can be too few to close the string)
             assert reason == "stop", (rid, text)  # the closing planner ended the JSON in time
             jsonschema.validate(json.loads(text), json.loads(STRING_SCHEMA if rid[0] == "s"
                                                             else ARRAY_SCHEMA))
