@@ -488,9 +488,12 @@ class Scheduler:
                     self.kv.commit(req, 1)
                     continue
                 self.kv.commit(req, ext)
-                if batch.mode is ForwardMode.EXTEND:
+                # a prompt (or a chunk of it) goes into the tree now; a running request's
+                # output (jump-forward text, or one token riding along in an extend) goes in
+                # when it finishes, as a decode step's does (~80 us a request a step)
+                if batch.mode is ForwardMode.EXTEND and req not in self.running:
                     self.kv.cache_prefilled(req)
-                    if samples and req not in self.running:
+                    if samples:
                         self._on_prefilled(req)
 
     def _sample(
