@@ -14,7 +14,8 @@ through the layers as a forward does keeps the KV out of the last-level cache (o
 KV at B=32 x 280 tokens is 13.8 MB, under this machine's 32 MB L3; 30 layers are 410 MB).
 
 `--scheduler`: instead, plait's Scheduler on `--model` (SmolLM2) in this process, B requests
-of `--prompt` random tokens decoding together (the slot layout is the scheduler's own); every
+of `--prompt` random tokens decoding together (the slot layout is the scheduler's own; the
+layers in Python, --disable-cpu-fused-ops, so that the attention calls can be timed); every
 `--steps` decode steps it switches between the new kernel, the old one and torch's path
 (`--disable-cpu-attention-kernel`), and reports the median step time and the time in the
 attention backend's forward per step (all layers); with `--threads 1` in CPU time too.
@@ -274,8 +275,11 @@ def run_scheduler(batch: int, args, variants: dict) -> None:
     new_steps = (2 + 3 * args.repeats) * args.steps + 8
     tokens = batch * (args.prompt + new_steps + 8) + 1024
     io = InProcessIO()
+    # decode steps are timed (no speculation); the attention backend's forward is timed per
+    # call, so the layers run in Python: the C++ layer loop (fused ops) calls the kernel
+    # directly and the time in it could not be told apart
     server = ServerArgs(model_path=path, max_total_tokens=tokens, log_level="warning",
-                        speculative_ngram=0)  # decode steps are timed
+                        speculative_ngram=0, disable_cpu_fused_ops=True)
     sched = Scheduler(server, path, io, load_tokenizer(path))
     rng = random.Random(batch)
     vocab = sched.runner.config.vocab_size
