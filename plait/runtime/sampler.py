@@ -148,20 +148,19 @@ def _check_logits(row_max: torch.Tensor, reqs: list[Req], errors: dict[int, Requ
             errors[i] = RequestFailed("the model produced non-finite logits", 500)
 
 
+def _cpu_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """t is what fused_cpu.cpp's row kernels take: [rows, n] on the CPU, unit column stride."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Grammar masks in place (apply_token_bitmask): one pass of fused_cpu.cpp on a CPU
     (float32, built), else xgrammar's kernel or torch."""
     ops = fused_ops()
     if (
         ops is not None
-        and logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.stride(1) == 1
-        and bitmask.device.type == "cpu"
-        and bitmask.dtype == torch.int32
-        and bitmask.dim() == 2
-        and bitmask.stride(1) == 1
+        and _cpu_rows(logits, torch.float32)
+        and _cpu_rows(bitmask, torch.int32)
         and bitmask.shape[0] == logits.shape[0]
     ):
         ops.apply_bitmask_(logits, bitmask)
@@ -173,14 +172,7 @@ def max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits.amax(-1), logits.argmax(-1)) for [B, V]: one pass of fused_cpu.cpp on a CPU
     (float32, built), else torch's reductions."""
     ops = fused_ops()
-    if (
-        ops is not None
-        and logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.shape[1] > 0
-        and logits.stride(1) == 1
-    ):
+    if ops is not None and _cpu_rows(logits, torch.float32) and logits.shape[1] > 0:
         return ops.max_argmax(logits)
     return logits.amax(dim=-1), argmax_rows(logits)
 
