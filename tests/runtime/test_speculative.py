@@ -107,9 +107,9 @@ def assert_same(make_scheduler, reqs: list[dict], **server) -> dict:
             "counters": counters}
 
 
-def test_draft_length_defaults_to_4_without_cuda_graphs(make_scheduler):
+def test_draft_length_defaults_to_8_without_cuda_graphs(make_scheduler):
     s, _ = make_scheduler()  # the CPU: no CUDA graphs
-    assert s.runner.decode_graphs is None and s.speculative_ngram == 4
+    assert s.runner.decode_graphs is None and s.speculative_ngram == 8
     s, _ = make_scheduler(speculative_ngram=2)
     assert s.speculative_ngram == 2
     s, _ = make_scheduler(speculative_ngram=0)
