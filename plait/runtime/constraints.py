@@ -48,6 +48,17 @@ def utf8_missing_bytes(text: bytes) -> int:
     return 0
 
 
+def _accept_prefix(m, tokens: list[int]) -> int:
+    """Feed `tokens` to matcher m up to the first it rejects; how many it accepted (they stay
+    accepted)."""
+    n = 0
+    for tok in tokens:
+        if not m.accept_token(tok):
+            break
+        n += 1
+    return n
+
+
 def _prefix_successor(prefix: bytes) -> bytes | None:
     """The least byte string greater than every string that starts with `prefix`: its last
     byte below 0xff incremented, what follows it dropped; None when there is none (the
@@ -144,13 +155,8 @@ class ConstraintTracker:
     def valid_prefix(self, req: Req, tokens: list[int]) -> int:
         """How many leading `tokens` req's grammar accepts from its current state (which is
         left unchanged)."""
-        m = req.grammar
-        n = 0
-        for tok in tokens:
-            if not m.accept_token(tok):
-                break
-            n += 1
-        m.rollback(n)
+        n = _accept_prefix(req.grammar, tokens)
+        req.grammar.rollback(n)
         return n
 
     def accept(self, req: Req, token: int) -> None:
@@ -177,11 +183,7 @@ class ConstraintTracker:
         if not text:
             return []
         ids = self.tokenizer.encode(text, add_special_tokens=False)[:limit]
-        accepted = 0
-        for tok in ids:
-            if not m.accept_token(tok):
-                break
-            accepted += 1
+        accepted = _accept_prefix(m, ids)
         ids = ids[:accepted]
         held, rolled = self._held_back(m, ids)
         if accepted - rolled:
@@ -283,20 +285,20 @@ class ConstraintTracker:
         there found nothing, so a string cut mid-character ran to the budget unclosed."""
         m = req.grammar
         head = self._complete_character(req)
-        if head is None or len(head) > max_len:
+        if head is None:
             return None
-        for tok in head:
-            m.accept_token(tok)  # (each one accepted in this state by _complete_character)
         try:
-            plan = self._plan_closing(m, max_len - len(head), shortest)
+            fits = len(head) <= max_len
+            plan = self._plan_closing(m, max_len - len(head), shortest) if fits else None
         finally:
             m.rollback(len(head))
         return None if plan is None else head + plan
 
     def _complete_character(self, req: Req) -> list[int] | None:
         """The continuation-byte tokens that end a UTF-8 character left open at the end of
-        req's output (the lowest byte the grammar takes, each); [] when none is open, None when
-        the grammar takes none."""
+        req's output (the lowest byte the grammar takes, each), left accepted by req's matcher
+        (the caller rolls them back); [] when none is open, None (nothing accepted) when the
+        grammar takes none."""
         spelled = self._spelling()[0]
         tail = b"".join(spelled[t] or b"" for t in req.output_ids[-4:] if t < len(spelled))
         need = utf8_missing_bytes(tail)
@@ -312,8 +314,10 @@ class ConstraintTracker:
             if tok is None:
                 break
             head.append(tok)
+        if len(head) == need:
+            return head
         m.rollback(len(head))
-        return head if len(head) == need else None
+        return None
 
     def _accepted_eos(self, m, plan: list[int]) -> int:
         for tok in plan:

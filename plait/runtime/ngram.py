@@ -53,9 +53,8 @@ class NgramIndex:
         for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
             end = self.ends[n].get(tuple(ids[-n:]))
             if end is not None:
-                loop = ids[end:]
-                return ids[end : end + k] if len(loop) >= k else [
-                    loop[i % len(loop)] for i in range(k)]
+                period = len(ids) - end  # (>= k: the k tokens after the match, no wrap)
+                return [ids[end + i % period] for i in range(k)]
         return []
 
 

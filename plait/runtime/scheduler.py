@@ -565,7 +565,7 @@ class Scheduler:
         would emit; the KV of the agreed draft tokens is kept and the rest freed."""
         if req.grammar is not None:
             kept = accepted = self._verify_constrained(req, logits, draft)
-            if req.finished and self.reqs.get(req.rid) is not req:
+            if self.reqs.get(req.rid) is not req:
                 return  # failed (its grammar raised): already freed
         else:
             res = self.sampler(logits, [req] * logits.shape[0], None)
