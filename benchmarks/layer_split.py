@@ -7,7 +7,7 @@
 For each batch B: B requests of `context - 1` random prompt tokens decode together in an
 in-process scheduler (benchmarks.profile_steps.InProcess: no IPC); once all of them run, the
 next `steps` steps are timed. Per step: the wall time, the model runner's forward, the logits
-GEMM, and each layer kernel summed over the layers (qkv_proj, rope_store_kv, attention, o_proj,
+GEMM (or the logit screen's greedy picks, plait/runtime/logit_screen.py, where it is on), and each layer kernel summed over the layers (qkv_proj, rope_store_kv, attention, o_proj,
 add_rms_norm, gate_up_proj, silu_mul, down_proj; each kernel's Python-free call as the loop
 makes it, with its own thread fork and join). The context grows by `steps` tokens while timed.
 A forward the C++ loop does not take (the kernels not built, shared prefixes in the batch) is
@@ -56,6 +56,8 @@ def split(model: str, batch: int, context: int, steps: int, quantization: str) -
 
     runner.forward = timed(runner.forward, "forward")
     runner.model.compute_logits = timed(runner.model.compute_logits, "logits")
+    if runner.logit_screen is not None:  # greedy steps pick through it (logit_screen.py)
+        runner.logit_screen = timed(runner.logit_screen, "logits")
     decoder.reset_timings()
     decoder.set_timing(True)
     start = clock()

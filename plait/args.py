@@ -220,6 +220,11 @@ class ServerArgs:
         "plait's fused kernels (same results bit for bit; built in the background on first "
         "use, under a minute once, then cached by torch)",
     )
+    disable_logit_screen: bool = _opt(
+        False, "on CPU (float32, a CPU with AMX or AVX512-BF16), compute every greedy step's "
+        "full fp32 logits instead of screening them in bf16 and computing only the few "
+        "candidate tokens exactly (the same tokens; plait/runtime/logit_screen.py)",
+    )
     quantization: str = _opt(
         "none", "CPU: weight-only quantized decoder-layer linears, quantized at load time from "
         "the checkpoint's weights (int8: per-output-row scales; int4: scale and min per 32 "

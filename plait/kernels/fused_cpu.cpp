@@ -525,6 +525,195 @@ void apply_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask) {
   });
 }
 
+
+// ------------------------------------------------------------------ the logits screen
+// Exact greedy picks through a bf16 screen of the logits GEMM (plait/runtime/logit_screen.py
+// derives the bound). approx [B, V] bf16 is bf16(h) x bf16(W)^T accumulated in fp32 and
+// rounded to bf16; each exact logit lies within
+//   e_j = a w_norm[j] + b w_rest[j] + c |approx_j|,
+//   a = ||h - bf16(h)|| + g (||bf16(h)|| + ||h||),  b = ||h||,
+// of approx_j. A token whose upper bound approx_j + e_j is below the best lower bound
+// max_k (approx_k - e_k) cannot be the argmax; the others (one to a few on a real model) get
+// their exact fp32 dot product h . W_j, and the largest wins (the first on ties, as argmax).
+// A row with a NaN or an infinite bound takes every token's exact dot product (torch's rules:
+// a NaN is the maximum).
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+float dot_exact(const float* x, const float* w, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(w + i + 16), acc1);
+  }
+  for (; i + 16 <= n; i += 16)
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), acc0);
+  float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#else
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc0);
+  float s = vsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; ++i) s += x[i] * w[i];
+  return s;
+}
+
+// 16 (8) bf16 values from p as floats
+#if defined(__AVX512F__)
+inline __m512 load_bf16(const uint16_t* p) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+#else
+inline __m256 load_bf16(const uint16_t* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+#endif
+
+void screen_row(const uint16_t* x, const float* h, const uint16_t* hb, const float* weight,
+                const float* wn, const float* wr, int64_t hidden, int64_t n, double g, float c,
+                std::vector<int64_t>& cand, float* max_out, int64_t* idx_out) {
+  double hn2 = 0, hbn2 = 0, hln2 = 0;
+  for (int64_t i = 0; i < hidden; ++i) {
+    const double v = h[i], vb = bf16_bits_to_float(hb[i]);
+    hn2 += v * v;
+    hbn2 += vb * vb;
+    hln2 += (v - vb) * (v - vb);
+  }
+  const double slack = 1.0 + 1e-6;  // the norms' own rounding
+  const float a = static_cast<float>(slack * (std::sqrt(hln2) + g * (std::sqrt(hbn2) + std::sqrt(hn2))));
+  const float b = static_cast<float>(slack * std::sqrt(hn2));
+  const float tiny = 1e-30f;  // flushed subnormal products
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // pass 1: the best lower bound (and whether anything is not finite)
+  float thr = neg_inf;
+  bool bad = false;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b), vc = _mm512_set1_ps(c),
+                 vt = _mm512_set1_ps(tiny);
+    __m512 m = _mm512_set1_ps(neg_inf);
+    __mmask16 nonfinite = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 v = load_bf16(x + j);
+      __m512 e = _mm512_fmadd_ps(va, _mm512_loadu_ps(wn + j), vt);
+      e = _mm512_fmadd_ps(vb, _mm512_loadu_ps(wr + j), e);
+      e = _mm512_fmadd_ps(vc, _mm512_abs_ps(v), e);
+      const __m512 lo = _mm512_sub_ps(v, e);
+      nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(lo, lo), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      m = _mm512_max_ps(m, lo);
+    }
+    thr = _mm512_reduce_max_ps(m);
+    bad = nonfinite != 0;
+  }
+#endif
+  for (; j < n; ++j) {
+    const float v = bf16_bits_to_float(x[j]);
+    const float lo = v - (a * wn[j] + tiny + b * wr[j] + c * std::fabs(v));
+    bad |= !std::isfinite(lo);
+    thr = std::max(thr, lo);
+  }
+  // pass 2: the candidates
+  cand.clear();
+  if (bad || !std::isfinite(thr)) {
+    for (int64_t k = 0; k < n; ++k) cand.push_back(k);
+  } else {
+    j = 0;
+#if defined(__AVX512F__)
+    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b), vc = _mm512_set1_ps(c),
+                 vt = _mm512_set1_ps(tiny), vthr = _mm512_set1_ps(thr);
+    for (; j + 16 <= n; j += 16) {
+      const __m512 v = load_bf16(x + j);
+      __m512 e = _mm512_fmadd_ps(va, _mm512_loadu_ps(wn + j), vt);
+      e = _mm512_fmadd_ps(vb, _mm512_loadu_ps(wr + j), e);
+      e = _mm512_fmadd_ps(vc, _mm512_abs_ps(v), e);
+      for (uint32_t hit = _mm512_cmp_ps_mask(_mm512_add_ps(v, e), vthr, _CMP_GE_OQ); hit != 0;
+           hit &= hit - 1)
+        cand.push_back(j + __builtin_ctz(hit));
+    }
+#endif
+    for (; j < n; ++j) {
+      const float v = bf16_bits_to_float(x[j]);
+      if (v + (a * wn[j] + tiny + b * wr[j] + c * std::fabs(v)) >= thr) cand.push_back(j);
+    }
+  }
+  // the exact dot products of the candidates: the first maximum, a NaN first of all
+  float best = neg_inf;
+  int64_t best_idx = cand.empty() ? 0 : cand.front();
+  for (const int64_t k : cand) {
+    const float d = dot_exact(h, weight + k * hidden, hidden);
+    if (std::isnan(d)) {
+      best = d;
+      best_idx = k;
+      break;
+    }
+    if (d > best) {
+      best = d;
+      best_idx = k;
+    }
+  }
+  *max_out = best;
+  *idx_out = best_idx;
+}
+
+std::vector<torch::Tensor> screen_argmax(const torch::Tensor& approx, const torch::Tensor& hidden,
+                                         const torch::Tensor& hidden_bf16,
+                                         const torch::Tensor& weight, const torch::Tensor& w_norm,
+                                         const torch::Tensor& w_rest, double g, double c,
+                                         int64_t valid) {
+  TORCH_CHECK(approx.device().is_cpu() && approx.scalar_type() == torch::kBFloat16 &&
+                  approx.dim() == 2 && approx.stride(1) == 1,
+              "approx: [B, V] bfloat16 CPU rows with unit column stride");
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == torch::kFloat32 &&
+                  hidden.dim() == 2 && hidden.is_contiguous(),
+              "hidden: [B, H] float32 CPU, contiguous");
+  TORCH_CHECK(hidden_bf16.scalar_type() == torch::kBFloat16 && hidden_bf16.is_contiguous() &&
+                  hidden_bf16.sizes() == hidden.sizes(),
+              "hidden_bf16: hidden as contiguous bfloat16");
+  const int64_t rows = approx.size(0), hid = hidden.size(1);
+  TORCH_CHECK(hidden.size(0) == rows, "hidden: one row per approx row");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() &&
+                  weight.dim() == 2 && weight.size(1) == hid,
+              "weight: [V, H] float32, contiguous");
+  const int64_t n = std::min({valid, approx.size(1), weight.size(0)});
+  TORCH_CHECK(n > 0, "screen_argmax: no valid token");
+  TORCH_CHECK(w_norm.scalar_type() == torch::kFloat32 && w_norm.is_contiguous() &&
+                  w_rest.scalar_type() == torch::kFloat32 && w_rest.is_contiguous() &&
+                  w_norm.numel() >= n && w_rest.numel() >= n,
+              "w_norm, w_rest: [V] float32");
+  auto mx = torch::empty({rows}, hidden.options());
+  auto idx = torch::empty({rows}, hidden.options().dtype(torch::kLong));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(approx.data_ptr<at::BFloat16>());
+  const uint16_t* hbp = reinterpret_cast<const uint16_t*>(hidden_bf16.data_ptr<at::BFloat16>());
+  const float* hp = hidden.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* wnp = w_norm.data_ptr<float>();
+  const float* wrp = w_rest.data_ptr<float>();
+  float* mp = mx.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t stride = approx.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> cand;
+    for (int64_t r = begin; r < end; ++r)
+      screen_row(xp + r * stride, hp + r * hid, hbp + r * hid, wp, wnp, wrp, hid, n, g,
+                 static_cast<float>(c), cand, mp + r, ip + r);
+  });
+  return {mx, idx};
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------- decode layers
@@ -748,6 +937,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_argmax", &max_argmax, "(amax, argmax) of each row of [B, V] float32 logits");
   m.def("apply_bitmask_", &apply_bitmask_,
         "logits [B, V] in place: -inf where the token's bit in bitmask [B, W] int32 is 0");
+  m.def("screen_argmax", &screen_argmax,
+        "exact (amax, argmax) of hidden @ weight^T rows through a bf16 screen of the logits");
   m.attr("vector_width") = W;
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<const py::list&, const std::vector<torch::Tensor>&,

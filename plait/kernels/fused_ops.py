@@ -127,6 +127,17 @@ class FusedOps:
         mx, idx = self.module.max_argmax(logits)
         return mx, idx
 
+    def screen_argmax(
+        self, approx: torch.Tensor, hidden: torch.Tensor, hidden_bf16: torch.Tensor,
+        weight: torch.Tensor, w_norm: torch.Tensor, w_rest: torch.Tensor, g: float, c: float,
+        valid: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact (amax, argmax) of hidden @ weight[:valid].T from its bf16 screen `approx`
+        (plait/runtime/logit_screen.py)."""
+        mx, idx = self.module.screen_argmax(approx, hidden, hidden_bf16, weight, w_norm, w_rest,
+                                            g, c, valid)
+        return mx, idx
+
     def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """logits [B, V] float32 (unit column stride) in place: -inf where the token's bit in
         bitmask [B, W] int32 is 0, and past 32 W (plait.grammar.base.apply_token_bitmask)."""

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from plait.runtime.core import Batch, Req
+from plait.runtime.sampler import argmax_suffices
 
 
 class LogitRows(NamedTuple):
@@ -22,6 +23,9 @@ class LogitRows(NamedTuple):
     # batch index -> the token rows before its last one, for a speculative request (its
     # pending token and all but the last draft token: with the last row, they verify the draft)
     draft_rows: dict[int, list[int]] = {}
+    # every row only needs its greedy pick (sampler.argmax_suffices): the forward may return
+    # the picks instead of the logits
+    argmax_only: bool = False
 
 
 def plan_logit_rows(batch: Batch) -> LogitRows:
@@ -42,7 +46,11 @@ def plan_logit_rows(batch: Batch) -> LogitRows:
         offset += ext
     extra = sorted({r for pairs in input_rows.values() for r, _ in pairs} - set(rows))
     drafts = [r for rs in draft_rows.values() for r in rs]
-    return LogitRows(rows + extra + drafts, input_rows, draft_rows)
+    argmax_only = not input_rows and all(
+        argmax_suffices(req)
+        for req, samples in zip(batch.reqs, batch.samples_token) if samples
+    )
+    return LogitRows(rows + extra + drafts, input_rows, draft_rows, argmax_only)
 
 
 def record_input_logprobs(

@@ -35,6 +35,7 @@ from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
 from plait.runtime.cuda_graph import GRAPH_BACKENDS, DecodeGraphRunner
 from plait.runtime.hugepages import move_buffers_to_huge_pages
+from plait.runtime.logit_screen import ArgmaxRows, LogitScreen
 from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
 from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
 
@@ -48,7 +49,8 @@ KV_PREFAULT_BYTES = 256 << 20
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [num_rows, vocab] float32, in the order of forward()'s logit_rows
+    # [num_rows, vocab] float32, in the order of forward()'s logit_rows (or their greedy picks)
+    logits: torch.Tensor | ArgmaxRows
     shared_kv_tokens: int = 0  # KV rows read once for requests sharing them (per layer)
 
 
@@ -109,6 +111,7 @@ class ModelRunner:
             self._quantize(args)
         if self.device.type == "cpu" and not args.disable_cpu_prepack:
             self._prepack_linears(args)
+        self.logit_screen = self._logit_screen(args)
         if self.device.type == "cpu" and not args.disable_huge_pages:
             move_buffers_to_huge_pages(self.model)  # the weight panels (before any forward)
         self.attn_backend = attn
@@ -189,6 +192,23 @@ class ModelRunner:
         pack_layer_linears(model.model)  # the decoder layers (not lm_head)
         if self.sharding:
             pack_row_parallel(model.model)
+
+    def _logit_screen(self, args: ServerArgs) -> LogitScreen | None:
+        """Greedy picks through a bf16 screen of the logits (logit_screen.py): on the CPU in
+        fp32, one process, with the fp32 logits GEMM (not a quantized one: the screen is
+        exact against fp32)."""
+        if (
+            args.disable_logit_screen
+            or self.device.type != "cpu"
+            or self.dtype != torch.float32
+            or self.sharding
+            or args.lm_head_quantization != "none"
+            or args.quantize_lm_head
+        ):
+            return None
+        screen = LogitScreen.build(self.model.lm_head_weight)
+        logger.info("logit screen: %s", "bf16, exact picks" if screen else "off (full logits)")
+        return screen
 
     def _quantize(self, args: ServerArgs) -> None:
         """Weight-only quantized decoder-layer linears (and the logits GEMM if asked): the
@@ -285,18 +305,21 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return meta, input_ids, pos
 
-    def forward(self, batch: Batch, logit_rows: list[int]) -> ForwardOutput:
+    def forward(
+        self, batch: Batch, logit_rows: list[int], argmax_vocab: int | None = None
+    ) -> ForwardOutput:
         """Run the batch (its KV slots already written to req_to_token) and return the
-        logits of the flattened token rows in logit_rows."""
+        logits of the flattened token rows in logit_rows. With argmax_vocab (every row only
+        needs its greedy pick among the tokens below it), the logits may come as ArgmaxRows."""
         inputs = self.prepare_inputs(batch)
         if self.forward_hook is not None:
             self.forward_hook(inputs, logit_rows)
         elif self.tp.size > 1:
             raise RuntimeError("tensor parallel rank 0 has no forward_hook to reach the others")
         with self._tuned_threads(inputs):
-            logits, meta = self.run(inputs, logit_rows)
+            logits, meta = self.run(inputs, logit_rows, argmax_vocab)
         return ForwardOutput(
-            logits.cpu() if logits.device.type != "cpu" else logits,
+            logits.cpu() if isinstance(logits, torch.Tensor) and logits.device.type != "cpu" else logits,
             self.attn_backend.shared_kv_tokens(meta) if meta is not None else 0,
         )
 
@@ -325,10 +348,11 @@ class ModelRunner:
         return {"mode": "fixed", "threads": torch.get_num_threads()}
 
     def run(
-        self, inputs: ForwardInputs, logit_rows: list[int]
-    ) -> tuple[torch.Tensor | None, AttentionMetadata | None]:
+        self, inputs: ForwardInputs, logit_rows: list[int], argmax_vocab: int | None = None
+    ) -> tuple[torch.Tensor | ArgmaxRows | None, AttentionMetadata | None]:
         """The forward on this rank: logits [len(logit_rows), vocab] float32 (None on a TP
-        rank other than 0), and the metadata it ran with (None for a CUDA graph's replay)."""
+        rank other than 0; ArgmaxRows through the logit screen when argmax_vocab is given),
+        and the metadata it ran with (None for a CUDA graph's replay)."""
         graphs = self.decode_graphs
         if (
             graphs is not None
@@ -341,7 +365,12 @@ class ModelRunner:
         meta, input_ids, positions = self.build_metadata(inputs)
         self.attn_backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
-        logits = self.model.compute_logits(_select_rows(hidden, logit_rows))  # [N, vocab]
+        rows = _select_rows(hidden, logit_rows)
+        if argmax_vocab is not None and self.logit_screen is not None and logit_rows:
+            picks = self.logit_screen(rows, argmax_vocab)
+            if picks is not None:
+                return picks, meta
+        logits = self.model.compute_logits(rows)  # [N, vocab]
         return self.tp.gather_vocab(logits, self.config.vocab_size), meta  # (TP: this rank's)
 
 

@@ -75,7 +75,8 @@ class Scheduler:
                             run=args.kv_run_tokens)
         cfg = self.runner.config
         self.eos_ids = tuple(cfg.eos_token_ids)
-        self.sampler = Sampler(len(tokenizer), self.eos_ids, args.random_seed)
+        self.valid_vocab_size = len(tokenizer)  # ids past it have no token: never sampled
+        self.sampler = Sampler(self.valid_vocab_size, self.eos_ids, args.random_seed)
         self.constraints = ConstraintTracker(args, tokenizer, cfg.vocab_size, self.eos_ids)
         self.stop_checker = StopChecker(tokenizer, self.eos_ids)
         self.outputs = OutputCollector(args.stream_interval)
@@ -429,7 +430,8 @@ class Scheduler:
             plan = logprobs.plan_logit_rows(batch)
         try:
             with self.timer("forward"):
-                out = self.runner.forward(batch, plan.rows)
+                vocab = self.valid_vocab_size if plan.argmax_only else None
+                out = self.runner.forward(batch, plan.rows, vocab)
         except Exception as e:  # the batch's requests fail; the server keeps serving
             if self.runner.tp.size > 1:
                 # the other ranks may have run (part of) this forward: they are out of step,

@@ -51,8 +51,8 @@ def run(path: str, prompts: list[list[int]], max_new: int, **server_args):
     logits = []
     forward = s.runner.run
 
-    def capture(*args, **kwargs):
-        out = forward(*args, **kwargs)
+    def capture(inputs, rows, argmax_vocab=None):
+        out = forward(inputs, rows)  # full logits, not the logit screen's greedy picks
         logits.append(out[0].clone())
         return out
 

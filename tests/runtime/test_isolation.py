@@ -68,8 +68,8 @@ def test_nan_logits_of_one_row_fail_that_request(make_scheduler):
     s, io = make_scheduler(max_total_tokens=512)
     forward = s.runner.forward
 
-    def poisoned(batch, rows):
-        out = forward(batch, rows)
+    def poisoned(batch, rows, *_):
+        out = forward(batch, rows)  # full logits (no greedy picks): a NaN goes into them
         sampling = [r for r, t in zip(batch.reqs, batch.samples_token) if t]
         for k, r in enumerate(sampling):
             if r.rid == "bad" and len(r.output_ids) == 2:
@@ -102,11 +102,11 @@ def test_a_forward_that_raises_fails_its_batch_and_the_server_goes_on(make_sched
     s, io = make_scheduler(max_total_tokens=512)
     forward, calls = s.runner.forward, []
 
-    def flaky(batch, rows):
+    def flaky(batch, rows, *args):
         calls.append(1)
         if len(calls) == 2:  # the first decode step
             raise RuntimeError("device lost")
-        return forward(batch, rows)
+        return forward(batch, rows, *args)
 
     s.runner.forward = flaky
     submit(io, "a")

@@ -232,10 +232,10 @@ def test_drafts_fill_a_forward_up_to_max_rows(make_scheduler):
     s, io = make_scheduler(speculative_ngram=K, speculative_ngram_max_rows=12)
     real = s.runner.forward
 
-    def forward(batch, rows):
+    def forward(batch, rows, *args):
         if batch.draft_ids is not None:
             widths.append(sum(batch.extend_lens))
-        return real(batch, rows)
+        return real(batch, rows, *args)
 
     s.runner.forward = forward
     for r in reqs:
@@ -268,10 +268,10 @@ def test_past_the_narrow_rows_only_likely_draft_tokens(make_scheduler, monkeypat
     widths = []
     real = s.runner.forward
 
-    def forward(batch, rows):
+    def forward(batch, rows, *args):
         if batch.draft_ids is not None:
             widths.append((batch.batch_size, sum(batch.extend_lens), [len(d) for d in batch.draft_ids]))
-        return real(batch, rows)
+        return real(batch, rows, *args)
 
     s.runner.forward = forward
     for r in reqs:

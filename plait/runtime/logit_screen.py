@@ -1,0 +1,155 @@
+"""Exact greedy picks without the fp32 logits GEMM: a bf16 screen, then exact dot products.
+
+A greedy row needs only its argmax, but the fp32 logits GEMM reads the whole output embedding
+every step (SmolLM2: 49,152 x 576 floats, 113 MB; ~4.4 ms of a 20 ms batch-1 step and ~6 ms
+of a 54 ms batch-32 step on the Xeon VM). The screen runs the same GEMM on bf16 copies
+(oneDNN, on the CPU's AMX or AVX512-BF16 units: 57 MB, 1.4-2.0 ms at batch 1-32) and bounds
+its error for every token; only the tokens whose upper bound reaches the best lower bound (one
+to six of 49,152 on SmolLM2's own hidden states) get their exact fp32 dot product, and the
+largest of those is the token. The pick is the fp32 GEMM's, not an approximation of it.
+
+The bound, for a hidden row h and the weight row W_j of token j. Write h = hb + hl and W_j =
+Wb_j + Wl_j with hb, Wb_j the bf16 roundings (both residuals exact in fp32). Then
+
+    h . W_j = hb . Wb_j + hl . Wb_j + h . Wl_j,
+
+and the screen's value x_j = bf16(fl(hb . Wb_j)) misses it by at most
+
+    |hl . Wb_j| + |h . Wl_j|          <= ||hl|| ||Wb_j|| + ||h|| ||Wl_j||    (Cauchy-Schwarz)
+  + the fp32 accumulation of hb . Wb_j <= gamma_H ||hb|| ||Wb_j||  (products of bf16 are exact)
+  + the rounding of the sum to bf16    <= 2^-8 / (1 - 2^-8) |x_j|   (taken as 2^-7)
+
+with gamma_H = H u / (1 - H u), u = 2^-24. The fp32 reference (the GEMM the pick must agree
+with) is itself within gamma_H ||h|| ||W_j|| of the exact dot product, so both accumulation
+terms enter the bound, each doubled as margin: e_j = a ||Wb_j|| + b ||Wl_j|| + 2^-7 |x_j| with
+a = ||hl|| + 2 gamma_H (||hb|| + ||h||) and b = ||h|| (fused_cpu.cpp's screen_argmax). The
+per-token norms are computed once, when the model loads. A probe checks the bound against the
+exact products of the machine's bf16 GEMM at start-up; where it fails, or the CPU has no bf16
+units (the GEMM would be emulated, slower than fp32), the logits are computed in full.
+
+Used for a forward whose every logit row only needs its argmax (plait.runtime.sampler.
+argmax_suffices: greedy, no logprobs, grammar, penalties or pending min_new_tokens); any other
+forward computes the logits as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from plait.kernels.fused_ops import fused_ops
+
+logger = logging.getLogger(__name__)
+
+_PACK_BATCH_HINT = 64
+_OUTPUT_ROUNDING = 2.0**-7  # bf16 keeps 8 bits: 2^-8 relative, doubled as margin
+_NORM_SLACK = 1.0 + 1e-5  # the fp32 norms' own rounding
+
+
+@dataclass
+class ArgmaxRows:
+    """A forward's logit rows reduced to what a greedy pick needs: each row's maximum and its
+    first index, as `logits.amax(-1)` and `logits.argmax(-1)` of the full rows. Indexes like a
+    [rows, vocab] tensor (a list, a slice), so the scheduler hands rows around unchanged."""
+
+    row_max: torch.Tensor  # [N] float32
+    argmax: torch.Tensor  # [N] int64
+    vocab_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.argmax.shape[0], self.vocab_size)
+
+    def __getitem__(self, key) -> ArgmaxRows:
+        if isinstance(key, list):
+            key = torch.tensor(key, dtype=torch.long)
+        return ArgmaxRows(self.row_max[key], self.argmax[key], self.vocab_size)
+
+
+def has_bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16; Linux's flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+class LogitScreen:
+    """The bf16 copy of the output embedding, its per-token error norms, and the exact pick
+    (see the module docstring). `weight` [V, H] float32 stays referenced (the exact dots)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.detach().contiguous()
+        self.vocab_size, hidden = self.weight.shape
+        with torch.inference_mode():
+            wb = self.weight.to(torch.bfloat16)
+            wb_f = wb.float()
+            self.w_norm = (wb_f.norm(dim=1) * _NORM_SLACK).contiguous()
+            self.w_rest = ((self.weight - wb_f).norm(dim=1) * _NORM_SLACK).contiguous()
+            del wb_f
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, _PACK_BATCH_HINT)
+        gamma = hidden * 2.0**-24 / (1 - hidden * 2.0**-24)
+        self.g = 2 * gamma
+        self.c = _OUTPUT_ROUNDING
+
+    @classmethod
+    def build(cls, weight: torch.Tensor) -> LogitScreen | None:
+        """The screen for an fp32 CPU weight, or None where it would not pay or not hold."""
+        if (
+            weight.device.type != "cpu"
+            or weight.dtype != torch.float32
+            or not torch.backends.mkldnn.is_available()
+            or not has_bf16_units()
+        ):
+            return None
+        try:
+            screen = cls(weight)
+            ok = screen.bound_holds()
+        except (RuntimeError, AttributeError) as e:  # an op this torch build lacks
+            logger.info("logit screen unavailable (%s); computing full logits", e)
+            return None
+        if not ok:
+            logger.warning("logit screen: the bf16 GEMM exceeds its error bound here; not used")
+            return None
+        return screen
+
+    def approx(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
+        """[N, H] bf16 -> [N, V] bf16 screen values."""
+        return torch.ops.mkldnn._linear_pointwise(hidden_bf16, self.packed, None, "none", [], "")
+
+    def bounds(self, hidden: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+        """e [N, V]: the screen's error bound for each row and token (torch, for the probe
+        and the tests; the kernel computes the same per element)."""
+        hb = hidden.to(torch.bfloat16).float()
+        h_norm = hidden.double().norm(dim=1)
+        a = (hidden.double() - hb.double()).norm(dim=1) + self.g * (hb.double().norm(dim=1) + h_norm)
+        return (a[:, None] * self.w_norm.double() + h_norm[:, None] * self.w_rest.double()
+                + self.c * approx.double().abs())
+
+    def bound_holds(self, rows: int = 4) -> bool:
+        """The bound against this machine's bf16 GEMM on probe rows (float64 products)."""
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(rows, self.weight.shape[1], generator=gen) * 3
+        hidden[:, :4] *= 30  # a few large activations, as real hidden states have
+        with torch.inference_mode():
+            approx = self.approx(hidden.to(torch.bfloat16))
+            exact = hidden.double() @ self.weight.double().t()
+            return bool(((approx.double() - exact).abs() <= self.bounds(hidden, approx)).all())
+
+    def __call__(self, hidden: torch.Tensor, valid: int) -> ArgmaxRows | None:
+        """The exact greedy picks of hidden [N, H] fp32 over tokens < valid; None while the
+        fused kernels are not built (the caller computes the logits)."""
+        ops = fused_ops()
+        if ops is None:
+            return None
+        hidden = hidden.contiguous()
+        hb = hidden.to(torch.bfloat16)
+        mx, idx = ops.screen_argmax(self.approx(hb), hidden, hb, self.weight, self.w_norm,
+                                    self.w_rest, self.g, self.c, valid)
+        return ArgmaxRows(mx, idx, self.vocab_size)

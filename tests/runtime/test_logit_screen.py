@@ -1,0 +1,157 @@
+"""The logit screen (plait/runtime/logit_screen.py): greedy picks from a bf16 screen of the
+logits GEMM plus exact dot products of its candidates must be the fp32 argmax, including
+where bf16 cannot tell the top tokens apart; and the scheduler takes it only for forwards whose
+every row is a plain greedy pick."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.messages import BatchTokenOut, TokenizedGenerateReq
+from plait.runtime.logit_screen import ArgmaxRows, LogitScreen, has_bf16_units
+
+needs_bf16 = pytest.mark.skipif(not has_bf16_units(), reason="no AMX / AVX512-BF16 on this CPU")
+
+
+def _weight(vocab: int = 6000, hidden: int = 576, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, hidden, generator=gen) * 0.05
+    return w * torch.rand(vocab, 1, generator=gen).add(0.5)  # rows of different norms
+
+
+def _hidden(w: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, w.shape[1], generator=gen) * 2
+    h[:, :3] *= 20  # a few large activations, as real hidden states have
+    return h
+
+
+@pytest.fixture(scope="module")
+def screen_ops(fused_ops):
+    if not has_bf16_units():
+        pytest.skip("no AMX / AVX512-BF16 on this CPU")
+    return fused_ops
+
+
+@pytest.mark.heavy
+def test_the_bound_holds_and_picks_are_the_fp32_argmax(screen_ops):
+    w = _weight()
+    screen = LogitScreen.build(w)
+    assert screen is not None and screen.bound_holds()
+    for rows, seed in ((1, 1), (7, 2), (33, 3)):
+        h = _hidden(w, rows, seed)
+        approx = screen.approx(h.to(torch.bfloat16))
+        exact = h.double() @ w.double().t()
+        assert ((approx.double() - exact).abs() <= screen.bounds(h, approx)).all()
+        picks = screen(h, w.shape[0])
+        full = h @ w.t()
+        assert torch.equal(picks.argmax, full.argmax(-1))
+        torch.testing.assert_close(picks.row_max, full.amax(-1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.heavy
+def test_ties_bf16_cannot_resolve_go_to_the_exact_products(screen_ops):
+    """Two tokens whose bf16 rows are equal (their fp32 rows differ below bf16's resolution)
+    and whose logits differ by ~1e-2: the screen scores them alike, the exact products decide,
+    either way round. A row of equal fp32 logits picks the first token, as argmax does."""
+    w = _weight(seed=4)
+    hot, twin = 1234, 4321
+    h = _hidden(w, 4, seed=5)
+    # the top token of row 0 by far, exact in bf16 (so a nudge of 2^-12 rounds back to it)
+    w[hot] = (h[0] / h[0].norm() * 2.0).to(torch.bfloat16).float()
+    nudge = torch.zeros_like(w[hot])
+    nudge[3:] = torch.sign(h[0, 3:]) * w[hot, 3:].abs() * 2.0**-12  # below bf16's last bit
+    w[twin] = w[hot] + nudge  # slightly larger logit on row 0
+    assert torch.equal(w[hot].to(torch.bfloat16), w[twin].to(torch.bfloat16))
+    w[2000] = w[hot]  # an exact copy of `hot`: a tie with it in fp32
+    h[1] = h[0]
+    h[1, 3:] = -h[1, 3:]  # now `hot` beats `twin`
+    screen = LogitScreen.build(w)
+    full = h.double() @ w.double().t()
+    assert full[0, twin] - full[0, hot] > 1e-3 and full[1, hot] - full[1, twin] > 1e-3
+    picks = screen(h, w.shape[0])
+    assert picks.argmax[0] == twin and picks.argmax[1] == hot  # the first of hot's tie
+    assert torch.equal(picks.argmax, (h @ w.t()).argmax(-1))
+
+
+@pytest.mark.heavy
+def test_valid_vocabulary_and_non_finite_rows(screen_ops):
+    w = _weight(seed=6)
+    screen = LogitScreen.build(w)
+    h = _hidden(w, 3, seed=7)
+    picks = screen(h, 1000)  # ids >= 1000 have no token: never picked
+    assert torch.equal(picks.argmax, (h @ w[:1000].t()).argmax(-1))
+    h[1, 10] = float("nan")
+    picks = screen(h, w.shape[0])
+    assert torch.isnan(picks.row_max[1]) and picks.argmax[1] == 0  # torch's rule: NaN first
+    assert torch.isfinite(picks.row_max[[0, 2]]).all()
+    assert torch.equal(picks.argmax[[0, 2]], (h[[0, 2]] @ w.t()).argmax(-1))
+
+
+def test_argmax_rows_index_like_logits():
+    rows = ArgmaxRows(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([5, 6, 7]), 100)
+    assert rows.shape == (3, 100)
+    assert rows[[2, 0]].argmax.tolist() == [7, 5] and rows[1:2].row_max.tolist() == [2.0]
+
+
+# ------------------------------------------------------------------ in the scheduler
+def _drive(s, io, reqs: list[dict]) -> dict[str, list[int]]:
+    for r in reqs:
+        io.inbox.put(TokenizedGenerateReq(**r))
+    for _ in range(2000):
+        s.step()
+        if not s.has_work:
+            break
+    out: dict[str, list[int]] = {}
+    for msg in io.outbox:
+        if isinstance(msg, BatchTokenOut):
+            for rid, new in zip(msg.rids, msg.new_token_ids):
+                out.setdefault(rid, []).extend(new)
+    return out
+
+
+class _Counting:
+    def __init__(self, screen) -> None:
+        self.screen, self.calls = screen, 0
+
+    def __call__(self, hidden, valid):
+        self.calls += 1
+        return self.screen(hidden, valid)
+
+
+@needs_bf16
+@pytest.mark.parametrize("ngram", [0, 8])
+def test_greedy_forwards_take_the_screen_with_the_same_tokens(make_scheduler, ngram):
+    """Greedy requests (with n-gram drafts or without) decode through the screen, to the same
+    tokens as full logits; a batch with a sampled, a logprob or a penalized request computes
+    full logits, and its greedy rows are then picked from them."""
+    prompt = [(7 * i) % 200 + 10 for i in range(40)] * 2  # repetitive: drafts find matches
+    greedy = [
+        {"rid": f"g{i}", "input_ids": prompt[i:], "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}}
+        for i in range(3)
+    ]
+    on, io_on = make_scheduler(speculative_ngram=ngram)
+    off, io_off = make_scheduler(speculative_ngram=ngram, disable_logit_screen=True)
+    assert on.runner.logit_screen is not None and off.runner.logit_screen is None
+    counter = on.runner.logit_screen = _Counting(on.runner.logit_screen)
+    want = _drive(off, io_off, greedy)
+    assert _drive(on, io_on, greedy) == want
+    assert counter.calls > 0
+    others = [
+        {"rid": "t", "input_ids": prompt, "sampling_params": {
+            "temperature": 0.8, "seed": 3, "max_new_tokens": 40, "ignore_eos": True}},
+        {"rid": "lp", "input_ids": prompt[5:], "return_logprob": True, "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}},
+        {"rid": "pen", "input_ids": prompt[9:], "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True,
+            "repetition_penalty": 1.3}},
+    ]
+    for other in others:
+        mixed = [dict(g, rid=g["rid"] + other["rid"]) for g in greedy] + [other]
+        counter.calls = 0
+        got = _drive(on, io_on, mixed)
+        for g in greedy:
+            assert got[g["rid"] + other["rid"]] == want[g["rid"]]
+        assert counter.calls == 0  # every forward had a row that needs its logits (it outlasts)
