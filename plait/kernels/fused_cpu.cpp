@@ -36,6 +36,7 @@
 #include <cmath>
 #include <limits>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -536,7 +537,8 @@ void apply_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask) {
 // max_k (approx_k - e_k) cannot be the argmax; the others (one to a few on a real model) get
 // their exact fp32 dot product h . W_j, and the largest wins (the first on ties, as argmax).
 // A row with a NaN or an infinite bound takes every token's exact dot product (torch's rules:
-// a NaN is the maximum).
+// a NaN is the maximum). With a grammar bitmask only its allowed tokens count, as after
+// apply_bitmask_ (none allowed: -inf, index 0).
 inline float bf16_bits_to_float(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
@@ -582,9 +584,15 @@ inline __m256 load_bf16(const uint16_t* p) {
 }
 #endif
 
+// whether token t is allowed by a grammar bitmask row (xgrammar's layout; none: all are)
+inline bool allowed(const uint32_t* bits, int64_t words, int64_t t) {
+  return bits == nullptr || (t < 32 * words && ((bits[t / 32] >> (t % 32)) & 1u));
+}
+
 void screen_row(const uint16_t* x, const float* h, const uint16_t* hb, const float* weight,
                 const float* wn, const float* wr, int64_t hidden, int64_t n, double g, float c,
-                std::vector<int64_t>& cand, float* max_out, int64_t* idx_out) {
+                const uint32_t* bits, int64_t words, std::vector<int64_t>& cand,
+                float* max_out, int64_t* idx_out) {
   double hn2 = 0, hbn2 = 0, hln2 = 0;
   for (int64_t i = 0; i < hidden; ++i) {
     const double v = h[i], vb = bf16_bits_to_float(hb[i]);
@@ -597,62 +605,80 @@ void screen_row(const uint16_t* x, const float* h, const uint16_t* hb, const flo
   const float b = static_cast<float>(slack * std::sqrt(hn2));
   const float tiny = 1e-30f;  // flushed subnormal products
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  // pass 1: the best lower bound (and whether anything is not finite)
+  // with a bitmask, whole 16-token blocks run vectorized up to the last fully covered one
+  const int64_t vec_end = bits == nullptr ? n : std::min(n, 32 * words);
+  // pass 1: the best lower bound among the allowed tokens (and whether one is not finite)
   float thr = neg_inf;
-  bool bad = false;
+  bool bad = false, any = false;
   int64_t j = 0;
 #if defined(__AVX512F__)
   {
     const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b), vc = _mm512_set1_ps(c),
                  vt = _mm512_set1_ps(tiny);
     __m512 m = _mm512_set1_ps(neg_inf);
-    __mmask16 nonfinite = 0;
-    for (; j + 16 <= n; j += 16) {
+    __mmask16 nonfinite = 0, seen = 0;
+    for (; j + 16 <= vec_end; j += 16) {
+      const __mmask16 ok = bits == nullptr ? 0xFFFF : static_cast<__mmask16>(bits[j / 32] >> (j % 32));
+      if (!ok) continue;
       const __m512 v = load_bf16(x + j);
       __m512 e = _mm512_fmadd_ps(va, _mm512_loadu_ps(wn + j), vt);
       e = _mm512_fmadd_ps(vb, _mm512_loadu_ps(wr + j), e);
       e = _mm512_fmadd_ps(vc, _mm512_abs_ps(v), e);
       const __m512 lo = _mm512_sub_ps(v, e);
-      nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(lo, lo), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-      m = _mm512_max_ps(m, lo);
+      nonfinite |= ok & _mm512_cmp_ps_mask(_mm512_sub_ps(lo, lo), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      m = _mm512_mask_max_ps(m, ok, m, lo);
+      seen |= ok;
     }
     thr = _mm512_reduce_max_ps(m);
     bad = nonfinite != 0;
+    any = seen != 0;
   }
 #endif
+  const int64_t tail = j;
   for (; j < n; ++j) {
+    if (!allowed(bits, words, j)) continue;
     const float v = bf16_bits_to_float(x[j]);
     const float lo = v - (a * wn[j] + tiny + b * wr[j] + c * std::fabs(v));
     bad |= !std::isfinite(lo);
     thr = std::max(thr, lo);
+    any = true;
   }
-  // pass 2: the candidates
+  if (!any) {  // nothing allowed: as the masked logits, all -inf (argmax 0)
+    *max_out = neg_inf;
+    *idx_out = 0;
+    return;
+  }
+  // pass 2: the candidates (every allowed token where a bound is not finite)
   cand.clear();
   if (bad || !std::isfinite(thr)) {
-    for (int64_t k = 0; k < n; ++k) cand.push_back(k);
+    for (int64_t k = 0; k < n; ++k)
+      if (allowed(bits, words, k)) cand.push_back(k);
   } else {
     j = 0;
 #if defined(__AVX512F__)
     const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b), vc = _mm512_set1_ps(c),
                  vt = _mm512_set1_ps(tiny), vthr = _mm512_set1_ps(thr);
-    for (; j + 16 <= n; j += 16) {
+    for (; j < tail; j += 16) {
+      const __mmask16 ok = bits == nullptr ? 0xFFFF : static_cast<__mmask16>(bits[j / 32] >> (j % 32));
+      if (!ok) continue;
       const __m512 v = load_bf16(x + j);
       __m512 e = _mm512_fmadd_ps(va, _mm512_loadu_ps(wn + j), vt);
       e = _mm512_fmadd_ps(vb, _mm512_loadu_ps(wr + j), e);
       e = _mm512_fmadd_ps(vc, _mm512_abs_ps(v), e);
-      for (uint32_t hit = _mm512_cmp_ps_mask(_mm512_add_ps(v, e), vthr, _CMP_GE_OQ); hit != 0;
-           hit &= hit - 1)
+      for (uint32_t hit = ok & _mm512_cmp_ps_mask(_mm512_add_ps(v, e), vthr, _CMP_GE_OQ);
+           hit != 0; hit &= hit - 1)
         cand.push_back(j + __builtin_ctz(hit));
     }
 #endif
     for (; j < n; ++j) {
+      if (!allowed(bits, words, j)) continue;
       const float v = bf16_bits_to_float(x[j]);
       if (v + (a * wn[j] + tiny + b * wr[j] + c * std::fabs(v)) >= thr) cand.push_back(j);
     }
   }
   // the exact dot products of the candidates: the first maximum, a NaN first of all
   float best = neg_inf;
-  int64_t best_idx = cand.empty() ? 0 : cand.front();
+  int64_t best_idx = cand.front();
   for (const int64_t k : cand) {
     const float d = dot_exact(h, weight + k * hidden, hidden);
     if (std::isnan(d)) {
@@ -673,7 +699,7 @@ std::vector<torch::Tensor> screen_argmax(const torch::Tensor& approx, const torc
                                          const torch::Tensor& hidden_bf16,
                                          const torch::Tensor& weight, const torch::Tensor& w_norm,
                                          const torch::Tensor& w_rest, double g, double c,
-                                         int64_t valid) {
+                                         int64_t valid, const std::optional<torch::Tensor>& bitmask) {
   TORCH_CHECK(approx.device().is_cpu() && approx.scalar_type() == torch::kBFloat16 &&
                   approx.dim() == 2 && approx.stride(1) == 1,
               "approx: [B, V] bfloat16 CPU rows with unit column stride");
@@ -694,6 +720,17 @@ std::vector<torch::Tensor> screen_argmax(const torch::Tensor& approx, const torc
                   w_rest.scalar_type() == torch::kFloat32 && w_rest.is_contiguous() &&
                   w_norm.numel() >= n && w_rest.numel() >= n,
               "w_norm, w_rest: [V] float32");
+  const uint32_t* bp = nullptr;
+  int64_t words = 0, bstride = 0;
+  if (bitmask.has_value()) {
+    const torch::Tensor& bm = *bitmask;
+    TORCH_CHECK(bm.device().is_cpu() && bm.scalar_type() == torch::kInt32 && bm.dim() == 2 &&
+                    bm.stride(1) == 1 && bm.size(0) == rows,
+                "bitmask: [B, W] int32 CPU, one row per approx row, unit column stride");
+    bp = reinterpret_cast<const uint32_t*>(bm.data_ptr<int32_t>());
+    words = bm.size(1);
+    bstride = bm.stride(0);
+  }
   auto mx = torch::empty({rows}, hidden.options());
   auto idx = torch::empty({rows}, hidden.options().dtype(torch::kLong));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(approx.data_ptr<at::BFloat16>());
@@ -709,7 +746,8 @@ std::vector<torch::Tensor> screen_argmax(const torch::Tensor& approx, const torc
     std::vector<int64_t> cand;
     for (int64_t r = begin; r < end; ++r)
       screen_row(xp + r * stride, hp + r * hid, hbp + r * hid, wp, wnp, wrp, hid, n, g,
-                 static_cast<float>(c), cand, mp + r, ip + r);
+                 static_cast<float>(c), bp == nullptr ? nullptr : bp + r * bstride, words, cand,
+                 mp + r, ip + r);
   });
   return {mx, idx};
 }

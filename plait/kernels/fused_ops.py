@@ -130,12 +130,13 @@ class FusedOps:
     def screen_argmax(
         self, approx: torch.Tensor, hidden: torch.Tensor, hidden_bf16: torch.Tensor,
         weight: torch.Tensor, w_norm: torch.Tensor, w_rest: torch.Tensor, g: float, c: float,
-        valid: int,
+        valid: int, bitmask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact (amax, argmax) of hidden @ weight[:valid].T from its bf16 screen `approx`
-        (plait/runtime/logit_screen.py)."""
+        (plait/runtime/logit_screen.py), over the tokens a grammar bitmask [B, W] int32
+        allows if one is given."""
         mx, idx = self.module.screen_argmax(approx, hidden, hidden_bf16, weight, w_norm, w_rest,
-                                            g, c, valid)
+                                            g, c, valid, bitmask)
         return mx, idx
 
     def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:

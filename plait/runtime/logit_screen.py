@@ -28,8 +28,10 @@ exact products of the machine's bf16 GEMM at start-up; where it fails, or the CP
 units (the GEMM would be emulated, slower than fp32), the logits are computed in full.
 
 Used for a forward whose every logit row only needs its argmax (plait.runtime.sampler.
-argmax_suffices: greedy, no logprobs, grammar, penalties or pending min_new_tokens); any other
-forward computes the logits as before.
+argmax_suffices: greedy, no logprobs, penalties or pending min_new_tokens); any other forward
+computes the logits as before. A grammar's bitmask applies to the picks: only allowed tokens
+are screened and computed, as after the mask on full logits. The bf16 GEMM runs in the
+forward, the picks (microseconds a row) when the sampler has the rows' masks.
 """
 
 from __future__ import annotations
@@ -50,23 +52,36 @@ _NORM_SLACK = 1.0 + 1e-5  # the fp32 norms' own rounding
 
 
 @dataclass
-class ArgmaxRows:
-    """A forward's logit rows reduced to what a greedy pick needs: each row's maximum and its
-    first index, as `logits.amax(-1)` and `logits.argmax(-1)` of the full rows. Indexes like a
-    [rows, vocab] tensor (a list, a slice), so the scheduler hands rows around unchanged."""
+class ScreenedRows:
+    """A forward's logit rows as the screen left them: the bf16 screen values and the hidden
+    rows, indexed like a [rows, vocab] logits tensor (a list, a slice), so the scheduler hands
+    rows around unchanged; `picks` gives each row's maximum and its first index, as
+    `amax(-1)` and `argmax(-1)` of the full fp32 rows (masked by a grammar bitmask if given)."""
 
-    row_max: torch.Tensor  # [N] float32
-    argmax: torch.Tensor  # [N] int64
-    vocab_size: int
+    screen: LogitScreen
+    approx: torch.Tensor  # [N, V] bf16
+    hidden: torch.Tensor  # [N, H] float32, contiguous
+    hidden_bf16: torch.Tensor  # [N, H]
+    valid: int  # tokens >= valid are never picked (they have no text)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.argmax.shape[0], self.vocab_size)
+        return (self.hidden.shape[0], self.screen.vocab_size)
 
-    def __getitem__(self, key) -> ArgmaxRows:
+    def __getitem__(self, key) -> ScreenedRows:
         if isinstance(key, list):
             key = torch.tensor(key, dtype=torch.long)
-        return ArgmaxRows(self.row_max[key], self.argmax[key], self.vocab_size)
+        return ScreenedRows(self.screen, self.approx[key], self.hidden[key].contiguous(),
+                            self.hidden_bf16[key].contiguous(), self.valid)
+
+    def picks(self, bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row maximum [N] float32, first argmax [N] int64) over the allowed tokens."""
+        s = self.screen
+        if bitmask is not None and not (bitmask.dtype == torch.int32 and bitmask.dim() == 2
+                                        and bitmask.stride(1) == 1):
+            bitmask = bitmask.to(torch.int32).reshape(self.hidden.shape[0], -1).contiguous()
+        return s.ops.screen_argmax(self.approx, self.hidden, self.hidden_bf16, s.weight,
+                                   s.w_norm, s.w_rest, s.g, s.c, self.valid, bitmask)
 
 
 def has_bf16_units() -> bool:
@@ -142,14 +157,16 @@ class LogitScreen:
             exact = hidden.double() @ self.weight.double().t()
             return bool(((approx.double() - exact).abs() <= self.bounds(hidden, approx)).all())
 
-    def __call__(self, hidden: torch.Tensor, valid: int) -> ArgmaxRows | None:
-        """The exact greedy picks of hidden [N, H] fp32 over tokens < valid; None while the
-        fused kernels are not built (the caller computes the logits)."""
-        ops = fused_ops()
-        if ops is None:
+    @property
+    def ops(self):
+        return fused_ops()
+
+    def __call__(self, hidden: torch.Tensor, valid: int) -> ScreenedRows | None:
+        """hidden [N, H] fp32 screened (the bf16 GEMM: the step's cost); picks come later,
+        with the rows' grammar masks. None while the fused kernels are not built (the caller
+        computes the logits)."""
+        if fused_ops() is None:
             return None
         hidden = hidden.contiguous()
         hb = hidden.to(torch.bfloat16)
-        mx, idx = ops.screen_argmax(self.approx(hb), hidden, hb, self.weight, self.w_norm,
-                                    self.w_rest, self.g, self.c, valid)
-        return ArgmaxRows(mx, idx, self.vocab_size)
+        return ScreenedRows(self, self.approx(hb), hidden, hb, valid)

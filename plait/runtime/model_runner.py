@@ -35,7 +35,7 @@ from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
 from plait.runtime.cuda_graph import GRAPH_BACKENDS, DecodeGraphRunner
 from plait.runtime.hugepages import move_buffers_to_huge_pages
-from plait.runtime.logit_screen import ArgmaxRows, LogitScreen
+from plait.runtime.logit_screen import ScreenedRows, LogitScreen
 from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
 from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
 
@@ -50,7 +50,7 @@ KV_PREFAULT_BYTES = 256 << 20
 @dataclass
 class ForwardOutput:
     # [num_rows, vocab] float32, in the order of forward()'s logit_rows (or their greedy picks)
-    logits: torch.Tensor | ArgmaxRows
+    logits: torch.Tensor | ScreenedRows
     shared_kv_tokens: int = 0  # KV rows read once for requests sharing them (per layer)
 
 
@@ -310,7 +310,8 @@ class ModelRunner:
     ) -> ForwardOutput:
         """Run the batch (its KV slots already written to req_to_token) and return the
         logits of the flattened token rows in logit_rows. With argmax_vocab (every row only
-        needs its greedy pick among the tokens below it), the logits may come as ArgmaxRows."""
+        needs its greedy pick among the tokens below it), the logits may come as ScreenedRows
+        (the logit screen's: picked when the sampler has the grammar masks)."""
         inputs = self.prepare_inputs(batch)
         if self.forward_hook is not None:
             self.forward_hook(inputs, logit_rows)
@@ -349,9 +350,9 @@ class ModelRunner:
 
     def run(
         self, inputs: ForwardInputs, logit_rows: list[int], argmax_vocab: int | None = None
-    ) -> tuple[torch.Tensor | ArgmaxRows | None, AttentionMetadata | None]:
+    ) -> tuple[torch.Tensor | ScreenedRows | None, AttentionMetadata | None]:
         """The forward on this rank: logits [len(logit_rows), vocab] float32 (None on a TP
-        rank other than 0; ArgmaxRows through the logit screen when argmax_vocab is given),
+        rank other than 0; ScreenedRows through the logit screen when argmax_vocab is given),
         and the metadata it ran with (None for a CUDA graph's replay)."""
         graphs = self.decode_graphs
         if (

@@ -15,7 +15,7 @@ import torch
 from plait.grammar.base import apply_token_bitmask
 from plait.kernels.fused_ops import fused_ops
 from plait.runtime.core import Req, RequestFailed
-from plait.runtime.logit_screen import ArgmaxRows
+from plait.runtime.logit_screen import ScreenedRows
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -39,16 +39,17 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(random_seed)
 
     def __call__(
-        self, logits: torch.Tensor | ArgmaxRows, reqs: list[Req], bitmask: torch.Tensor | None
+        self, logits: torch.Tensor | ScreenedRows, reqs: list[Req], bitmask: torch.Tensor | None
     ) -> SampleOutput:
         # logits: [B, V] float32, modified in place (they are fresh every step); or, when
         # every request only needs its argmax (argmax_suffices), the rows' greedy picks
         errors: dict[int, RequestFailed] = {}
-        if isinstance(logits, ArgmaxRows):
-            if bitmask is not None or not all(argmax_suffices(r) for r in reqs):
-                raise ValueError("sampler: argmax rows for requests that need their logits")
-            _check_logits(logits.row_max, reqs, errors)
-            ids = logits.argmax.tolist()
+        if isinstance(logits, ScreenedRows):
+            if not all(argmax_suffices(r) for r in reqs):
+                raise ValueError("sampler: screened rows for requests that need their logits")
+            row_max, next_ids = logits.picks(bitmask)
+            _check_logits(row_max, reqs, errors)
+            ids = next_ids.tolist()
             for i in errors:
                 ids[i] = -1
             return SampleOutput(ids, None, errors)
@@ -179,14 +180,14 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 
 def argmax_suffices(req: Req) -> bool:
-    """Whether req's next tokens are the plain argmax of its logits (nothing above modifies
-    or reads them: greedy, no logprobs, no grammar, no penalties, min_new_tokens reached), so
-    a forward may return only its picks (plait/runtime/logit_screen.py)."""
+    """Whether req's next tokens are the argmax of its logits, masked by its grammar if it
+    has one (nothing else modifies or reads them: greedy, no logprobs, no penalties,
+    min_new_tokens reached), so a forward may return screened rows instead of the logits
+    (plait/runtime/logit_screen.py)."""
     sp = req.sampling
     return (
         sp.is_greedy
         and not req.return_logprob
-        and req.grammar is None
         and not sp.has_penalties
         and len(req.output_ids) >= sp.min_new_tokens
     )

@@ -5,11 +5,14 @@ every row is a plain greedy pick."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
 
 from plait.messages import BatchTokenOut, TokenizedGenerateReq
-from plait.runtime.logit_screen import ArgmaxRows, LogitScreen, has_bf16_units
+from plait.runtime.logit_screen import LogitScreen, has_bf16_units
 
 needs_bf16 = pytest.mark.skipif(not has_bf16_units(), reason="no AMX / AVX512-BF16 on this CPU")
 
@@ -44,10 +47,10 @@ def test_the_bound_holds_and_picks_are_the_fp32_argmax(screen_ops):
         approx = screen.approx(h.to(torch.bfloat16))
         exact = h.double() @ w.double().t()
         assert ((approx.double() - exact).abs() <= screen.bounds(h, approx)).all()
-        picks = screen(h, w.shape[0])
+        row_max, argmax = screen(h, w.shape[0]).picks()
         full = h @ w.t()
-        assert torch.equal(picks.argmax, full.argmax(-1))
-        torch.testing.assert_close(picks.row_max, full.amax(-1), rtol=1e-5, atol=1e-4)
+        assert torch.equal(argmax, full.argmax(-1))
+        torch.testing.assert_close(row_max, full.amax(-1), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.heavy
@@ -70,9 +73,9 @@ def test_ties_bf16_cannot_resolve_go_to_the_exact_products(screen_ops):
     screen = LogitScreen.build(w)
     full = h.double() @ w.double().t()
     assert full[0, twin] - full[0, hot] > 1e-3 and full[1, hot] - full[1, twin] > 1e-3
-    picks = screen(h, w.shape[0])
-    assert picks.argmax[0] == twin and picks.argmax[1] == hot  # the first of hot's tie
-    assert torch.equal(picks.argmax, (h @ w.t()).argmax(-1))
+    _, argmax = screen(h, w.shape[0]).picks()
+    assert argmax[0] == twin and argmax[1] == hot  # the first of hot's tie
+    assert torch.equal(argmax, (h @ w.t()).argmax(-1))
 
 
 @pytest.mark.heavy
@@ -80,29 +83,58 @@ def test_valid_vocabulary_and_non_finite_rows(screen_ops):
     w = _weight(seed=6)
     screen = LogitScreen.build(w)
     h = _hidden(w, 3, seed=7)
-    picks = screen(h, 1000)  # ids >= 1000 have no token: never picked
-    assert torch.equal(picks.argmax, (h @ w[:1000].t()).argmax(-1))
+    _, argmax = screen(h, 1000).picks()  # ids >= 1000 have no token: never picked
+    assert torch.equal(argmax, (h @ w[:1000].t()).argmax(-1))
     h[1, 10] = float("nan")
-    picks = screen(h, w.shape[0])
-    assert torch.isnan(picks.row_max[1]) and picks.argmax[1] == 0  # torch's rule: NaN first
-    assert torch.isfinite(picks.row_max[[0, 2]]).all()
-    assert torch.equal(picks.argmax[[0, 2]], (h[[0, 2]] @ w.t()).argmax(-1))
+    row_max, argmax = screen(h, w.shape[0]).picks()
+    assert torch.isnan(row_max[1]) and argmax[1] == 0  # torch's rule: NaN first
+    assert torch.isfinite(row_max[[0, 2]]).all()
+    assert torch.equal(argmax[[0, 2]], (h[[0, 2]] @ w.t()).argmax(-1))
 
 
-def test_argmax_rows_index_like_logits():
-    rows = ArgmaxRows(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([5, 6, 7]), 100)
-    assert rows.shape == (3, 100)
-    assert rows[[2, 0]].argmax.tolist() == [7, 5] and rows[1:2].row_max.tolist() == [2.0]
+@pytest.mark.heavy
+def test_picks_under_a_grammar_bitmask_match_masked_logits(screen_ops):
+    """Only allowed tokens count, as after apply_bitmask on full logits: random masks, one
+    allowing a single token, one allowing none (-inf, index 0: the sampler's "constraint
+    allows no continuation"), one all ones, and words covering less than the vocabulary."""
+    from plait.grammar.base import _apply_torch
+
+    w = _weight(vocab=5003, seed=8)  # not a multiple of 16 or 32: scalar tails too
+    screen = LogitScreen.build(w)
+    h = _hidden(w, 6, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    words = (w.shape[0] + 31) // 32
+    bits = torch.randint(-(2**31), 2**31 - 1, (6, words), generator=gen, dtype=torch.int64)
+    bits = bits.to(torch.int32)
+    bits[1] = 0
+    bits[1, 150] = 1 << 7  # token 4807 alone
+    bits[2] = 0
+    bits[3] = -1
+    bits[4, :10] = 0  # the best tokens are often banned here
+    rows = screen(h, w.shape[0])
+    row_max, argmax = rows.picks(bits)
+    full = h @ w.t()
+    _apply_torch(full, bits, w.shape[0])
+    want_max, want = full.max(-1)
+    assert argmax.tolist()[:2] == [want[0].item(), 4807] and argmax[2] == 0
+    assert row_max[2] == float("-inf") and torch.equal(argmax, want)
+    assert torch.equal(argmax[[3]], (h[[3]] @ w.t()).argmax(-1))
+    short = bits[:, : words // 2].contiguous()  # tokens past 32 * words are banned
+    _, argmax = rows.picks(short)
+    assert (argmax[[0, 3, 4, 5]] < 32 * (words // 2)).all()
+    sub = rows[[5, 0]]  # indexing keeps each row's screen values and hidden row
+    assert sub.picks(bits[[5, 0]])[1].tolist() == [want[5].item(), want[0].item()]
 
 
 # ------------------------------------------------------------------ in the scheduler
 def _drive(s, io, reqs: list[dict]) -> dict[str, list[int]]:
     for r in reqs:
         io.inbox.put(TokenizedGenerateReq(**r))
-    for _ in range(2000):
+    deadline = time.monotonic() + 120  # grammars compile in another process meanwhile
+    s.step()  # takes the requests in
+    while s.has_work or s.constraints.pending:
+        assert time.monotonic() < deadline, "the scheduler did not go idle"
         s.step()
-        if not s.has_work:
-            break
     out: dict[str, list[int]] = {}
     for msg in io.outbox:
         if isinstance(msg, BatchTokenOut):
@@ -122,21 +154,29 @@ class _Counting:
 
 @needs_bf16
 @pytest.mark.parametrize("ngram", [0, 8])
-def test_greedy_forwards_take_the_screen_with_the_same_tokens(make_scheduler, ngram):
-    """Greedy requests (with n-gram drafts or without) decode through the screen, to the same
-    tokens as full logits; a batch with a sampled, a logprob or a penalized request computes
+def test_greedy_forwards_take_the_screen_with_the_same_tokens(make_scheduler, fused_ops, ngram):
+    """Greedy requests (with n-gram drafts or without, with a grammar or without) decode
+    through the screen, to the same tokens as full logits; a batch with a sampled, a logprob or a penalized request computes
     full logits, and its greedy rows are then picked from them."""
     prompt = [(7 * i) % 200 + 10 for i in range(40)] * 2  # repetitive: drafts find matches
     greedy = [
         {"rid": f"g{i}", "input_ids": prompt[i:], "sampling_params": {
             "temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}}
         for i in range(3)
+    ] + [  # the grammar's mask applies to the picks
+        {"rid": "re", "input_ids": prompt[4:], "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": 30, "regex": "([a-z]+ ){2,8}[0-9]{3}"}},
+        {"rid": "js", "input_ids": prompt[6:], "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": 40, "json_schema": json.dumps({
+                "type": "object", "properties": {"name": {"type": "string"}},
+                "required": ["name"]})}},
     ]
     on, io_on = make_scheduler(speculative_ngram=ngram)
     off, io_off = make_scheduler(speculative_ngram=ngram, disable_logit_screen=True)
     assert on.runner.logit_screen is not None and off.runner.logit_screen is None
     counter = on.runner.logit_screen = _Counting(on.runner.logit_screen)
     want = _drive(off, io_off, greedy)
+    assert len(want["re"]) > 3 and len(want["js"]) > 3
     assert _drive(on, io_on, greedy) == want
     assert counter.calls > 0
     others = [
