@@ -5,6 +5,7 @@ KV accounting after every step, and parity with transformers."""
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import time
@@ -105,6 +106,19 @@ def assert_same(make_scheduler, reqs: list[dict], **server) -> dict:
     assert accepted == counters["spec_accepted_tokens"] > 0, "no draft was accepted"
     return {"base": base, "spec": spec, "base_info": base_info, "spec_info": spec_info,
             "counters": counters}
+
+
+def test_draft_length_follows_acceptance_and_returns_to_k_after_a_whole_draft():
+    idx = NgramIndex(1, 3)
+    assert idx.draft_len(8) == 8  # nothing rejected yet
+    idx.record(8, 0)
+    idx.record(8, 2)
+    assert idx.draft_len(8) == math.ceil(8 * idx.acceptance) < 8
+    idx.record(3, 3)  # a whole draft kept: the next one is full length again
+    assert idx.acceptance < 1 and idx.draft_len(8) == 8
+    idx.record(8, 5)
+    assert idx.draft_len(8) == math.ceil(8 * idx.acceptance) < 8
+    assert NgramIndex(1, 3).draft_len(0) == 1  # at least one
 
 
 def test_draft_length_defaults_to_8_without_cuda_graphs(make_scheduler):
