@@ -548,25 +548,13 @@ inline float bf16_bits_to_float(uint16_t b) {
 
 float dot_exact(const float* x, const float* w, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(w + i + 16), acc1);
+  vec acc0 = vzero(), acc1 = vzero();
+  for (; i + 2 * W <= n; i += 2 * W) {
+    acc0 = vfma(vload(x + i), vload(w + i), acc0);
+    acc1 = vfma(vload(x + i + W), vload(w + i + W), acc1);
   }
-  for (; i + 16 <= n; i += 16)
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), acc0);
-  float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#else
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8)
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc0);
-  float s = vsum(_mm256_add_ps(acc0, acc1));
-#endif
+  for (; i + W <= n; i += W) acc0 = vfma(vload(x + i), vload(w + i), acc0);
+  float s = vsum(vadd(acc0, acc1));
   for (; i < n; ++i) s += x[i] * w[i];
   return s;
 }
@@ -607,24 +595,34 @@ void screen_row(const uint16_t* x, const float* h, const uint16_t* hb, const flo
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // with a bitmask, whole 16-token blocks run vectorized up to the last fully covered one
   const int64_t vec_end = bits == nullptr ? n : std::min(n, 32 * words);
+  // each token's error bound (the scalar tails compute the same in scalars)
+  auto bound = [&](float v, int64_t t) { return a * wn[t] + tiny + b * wr[t] + c * std::fabs(v); };
+#if defined(__AVX512F__)
+  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b), vc = _mm512_set1_ps(c),
+               vt = _mm512_set1_ps(tiny);
+  auto bound16 = [&](__m512 v, int64_t t) {  // the 16 tokens from t
+    __m512 e = _mm512_fmadd_ps(va, _mm512_loadu_ps(wn + t), vt);
+    e = _mm512_fmadd_ps(vb, _mm512_loadu_ps(wr + t), e);
+    return _mm512_fmadd_ps(vc, _mm512_abs_ps(v), e);
+  };
+  auto block_mask = [&](int64_t t) {  // the allowed ones of the 16 tokens from t (t % 16 == 0)
+    return bits == nullptr ? static_cast<__mmask16>(0xFFFF)
+                           : static_cast<__mmask16>(bits[t / 32] >> (t % 32));
+  };
+#endif
   // pass 1: the best lower bound among the allowed tokens (and whether one is not finite)
   float thr = neg_inf;
   bool bad = false, any = false;
   int64_t j = 0;
 #if defined(__AVX512F__)
   {
-    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b), vc = _mm512_set1_ps(c),
-                 vt = _mm512_set1_ps(tiny);
     __m512 m = _mm512_set1_ps(neg_inf);
     __mmask16 nonfinite = 0, seen = 0;
     for (; j + 16 <= vec_end; j += 16) {
-      const __mmask16 ok = bits == nullptr ? 0xFFFF : static_cast<__mmask16>(bits[j / 32] >> (j % 32));
+      const __mmask16 ok = block_mask(j);
       if (!ok) continue;
       const __m512 v = load_bf16(x + j);
-      __m512 e = _mm512_fmadd_ps(va, _mm512_loadu_ps(wn + j), vt);
-      e = _mm512_fmadd_ps(vb, _mm512_loadu_ps(wr + j), e);
-      e = _mm512_fmadd_ps(vc, _mm512_abs_ps(v), e);
-      const __m512 lo = _mm512_sub_ps(v, e);
+      const __m512 lo = _mm512_sub_ps(v, bound16(v, j));
       nonfinite |= ok & _mm512_cmp_ps_mask(_mm512_sub_ps(lo, lo), _mm512_setzero_ps(), _CMP_NEQ_UQ);
       m = _mm512_mask_max_ps(m, ok, m, lo);
       seen |= ok;
@@ -638,7 +636,7 @@ void screen_row(const uint16_t* x, const float* h, const uint16_t* hb, const flo
   for (; j < n; ++j) {
     if (!allowed(bits, words, j)) continue;
     const float v = bf16_bits_to_float(x[j]);
-    const float lo = v - (a * wn[j] + tiny + b * wr[j] + c * std::fabs(v));
+    const float lo = v - bound(v, j);
     bad |= !std::isfinite(lo);
     thr = std::max(thr, lo);
     any = true;
@@ -656,16 +654,12 @@ void screen_row(const uint16_t* x, const float* h, const uint16_t* hb, const flo
   } else {
     j = 0;
 #if defined(__AVX512F__)
-    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b), vc = _mm512_set1_ps(c),
-                 vt = _mm512_set1_ps(tiny), vthr = _mm512_set1_ps(thr);
+    const __m512 vthr = _mm512_set1_ps(thr);
     for (; j < tail; j += 16) {
-      const __mmask16 ok = bits == nullptr ? 0xFFFF : static_cast<__mmask16>(bits[j / 32] >> (j % 32));
+      const __mmask16 ok = block_mask(j);
       if (!ok) continue;
       const __m512 v = load_bf16(x + j);
-      __m512 e = _mm512_fmadd_ps(va, _mm512_loadu_ps(wn + j), vt);
-      e = _mm512_fmadd_ps(vb, _mm512_loadu_ps(wr + j), e);
-      e = _mm512_fmadd_ps(vc, _mm512_abs_ps(v), e);
-      for (uint32_t hit = ok & _mm512_cmp_ps_mask(_mm512_add_ps(v, e), vthr, _CMP_GE_OQ);
+      for (uint32_t hit = ok & _mm512_cmp_ps_mask(_mm512_add_ps(v, bound16(v, j)), vthr, _CMP_GE_OQ);
            hit != 0; hit &= hit - 1)
         cand.push_back(j + __builtin_ctz(hit));
     }
@@ -673,7 +667,7 @@ void screen_row(const uint16_t* x, const float* h, const uint16_t* hb, const flo
     for (; j < n; ++j) {
       if (!allowed(bits, words, j)) continue;
       const float v = bf16_bits_to_float(x[j]);
-      if (v + (a * wn[j] + tiny + b * wr[j] + c * std::fabs(v)) >= thr) cand.push_back(j);
+      if (v + bound(v, j) >= thr) cand.push_back(j);
     }
   }
   // the exact dot products of the candidates: the first maximum, a NaN first of all

@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from plait.messages import BatchTokenOut, TokenizedGenerateReq
+from plait.messages import TokenizedGenerateReq
 from plait.runtime.logit_screen import LogitScreen, has_bf16_units
+from tests.runtime.test_scheduler import outputs
 
 needs_bf16 = pytest.mark.skipif(not has_bf16_units(), reason="no AMX / AVX512-BF16 on this CPU")
 
@@ -135,12 +136,7 @@ def _drive(s, io, reqs: list[dict]) -> dict[str, list[int]]:
     while s.has_work or s.constraints.pending:
         assert time.monotonic() < deadline, "the scheduler did not go idle"
         s.step()
-    out: dict[str, list[int]] = {}
-    for msg in io.outbox:
-        if isinstance(msg, BatchTokenOut):
-            for rid, new in zip(msg.rids, msg.new_token_ids):
-                out.setdefault(rid, []).extend(new)
-    return out
+    return outputs(io)
 
 
 class _Counting:
