@@ -166,14 +166,24 @@ def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> D
     and some shared prefix spans two requests: the group's prefix is then read once for all
     their rows (a tree's branches verifying drafts over one root, each of 30 layers), where the
     extend kernel reads each request's whole KV. Each row reads its own suffix after the prefix
-    (short, and cached after the request's first row)."""
+    (short, and cached after the request's first row).
+
+    Also taken, shared or not, when at least half the requests add one row: a constrained
+    batch whose few requests feed their jump-forward text while the rest decode one token
+    each ride along. Those steps are a decode with a few extra rows; as decode rows they run
+    in the C++ layer loop on the decode kernel's prefetching reads (SmolLM2's JSON extraction
+    in-process, four runs each: its 11 such forwards 427-459 -> 394-432 ms, the batch
+    1,054-1,105 -> 1,010-1,059 ms). A verify step where most requests carry drafts keeps the
+    extend kernel (all of them as decode rows measured 0.96-0.98x at batch 4)."""
     if meta.mode is ForwardMode.DECODE:
         return plan_decode(meta, min_shared)
     if "cpu_rows_plan" in meta.cache:
         return meta.cache["cpu_rows_plan"]
     plan = None
-    if (meta.batch_size > 1 and 0 < max(meta.extend_lens_cpu) <= ROWS_MAX_EXTEND
-            and sum(meta.extend_lens_cpu) <= ROWS_MAX_TOTAL and _requests_share_a_slot(meta)):
+    lens = meta.extend_lens_cpu
+    small = 0 < max(lens) <= ROWS_MAX_EXTEND and sum(lens) <= ROWS_MAX_TOTAL
+    riders = 2 * lens.count(1) >= len(lens)  # most requests add one row (see the docstring)
+    if small and (riders or (meta.batch_size > 1 and _requests_share_a_slot(meta))):
         pools, lens, owner = [], [], []
         for i, (pool, pre, ext) in enumerate(zip(
             meta.req_pool_indices.tolist(), meta.prefix_lens_cpu, meta.extend_lens_cpu
@@ -183,7 +193,7 @@ def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> D
             owner += [i] * ext
         index = torch.tensor(pools, dtype=torch.int64, device=meta.req_pool_indices.device)
         rows = _plan_rows(meta, index, lens, min_shared)
-        if any(len({owner[m] for m in g.members.tolist()}) > 1 for g in rows.groups):
+        if riders or any(len({owner[m] for m in g.members.tolist()}) > 1 for g in rows.groups):
             plan = meta.cache["cpu_decode_plan"] = rows  # (the stats' shared_kv_tokens)
     meta.cache["cpu_rows_plan"] = plan
     return plan

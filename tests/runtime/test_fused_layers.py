@@ -177,8 +177,8 @@ def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypat
     """fused_cpu.cpp's DecodeLayers (the lean loop as one C++ call) against _forward_lean's
     Python loop, bit for bit: decode batches run it (counted), with and without shared prefixes
     (their cascade attention: the prefix read once for its members, merged in C++); extends
-    keep the Python loop, except drafts verified over a prefix that requests share (decode
-    rows: cpu_attention.plan_rows)."""
+    keep the Python loop, except drafts verified over a prefix that requests share and steps
+    where most requests add one row (decode rows: cpu_attention.plan_rows)."""
     from plait.kernels import woq
     from plait.kernels.cpu_attention import start_decode_kernel
     from plait.kernels.cpu_extend import start_extend_kernel
@@ -199,10 +199,9 @@ def test_cpp_layer_loop_gives_the_python_loops_logits(checkpoint, ops, monkeypat
         # every decode forward (the whole batch, then what is left of it as requests end);
         # the shared prompts' with prefix groups, the distinct ones' without
         batches = [b for b, _ in runs]
-        assert batches and batches[0] == len(prompts), runs
-        if prompts is distinct:
-            assert batches == sorted(batches, reverse=True), runs
-            assert all(g == 0 for _, g in runs), runs
+        assert len(prompts) in batches, runs  # the whole batch decoding
+        if prompts is distinct:  # nothing shared across requests in the decode batch
+            assert dict(runs)[len(prompts)] == 0, runs
         else:  # and the verifies of drafts over the shared prefixes, as decode rows
             assert runs[0][1] > 0, runs
             assert any(b > len(prompts) for b in batches), runs
