@@ -180,9 +180,9 @@ def plan_rows(meta: AttentionMetadata, min_shared: int = MIN_SHARED_PREFIX) -> D
     if "cpu_rows_plan" in meta.cache:
         return meta.cache["cpu_rows_plan"]
     plan = None
-    lens = meta.extend_lens_cpu
-    small = 0 < max(lens) <= ROWS_MAX_EXTEND and sum(lens) <= ROWS_MAX_TOTAL
-    riders = 2 * lens.count(1) >= len(lens)  # most requests add one row (see the docstring)
+    ext_lens = meta.extend_lens_cpu
+    small = 0 < max(ext_lens) <= ROWS_MAX_EXTEND and sum(ext_lens) <= ROWS_MAX_TOTAL
+    riders = 2 * ext_lens.count(1) >= len(ext_lens)  # most requests add one row (docstring)
     if small and (riders or (meta.batch_size > 1 and _requests_share_a_slot(meta))):
         pools, lens, owner = [], [], []
         for i, (pool, pre, ext) in enumerate(zip(

@@ -75,12 +75,10 @@ class ScreenedRows:
                             self.hidden_bf16[key].contiguous(), self.valid)
 
     def picks(self, bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row maximum [N] float32, first argmax [N] int64) over the allowed tokens."""
+        """(row maximum [N] float32, first argmax [N] int64) over the tokens the bitmask
+        ([N, W] int32, the constraint tracker's) allows."""
         s = self.screen
-        if bitmask is not None and not (bitmask.dtype == torch.int32 and bitmask.dim() == 2
-                                        and bitmask.stride(1) == 1):
-            bitmask = bitmask.to(torch.int32).reshape(self.hidden.shape[0], -1).contiguous()
-        return s.ops.screen_argmax(self.approx, self.hidden, self.hidden_bf16, s.weight,
+        return fused_ops().screen_argmax(self.approx, self.hidden, self.hidden_bf16, s.weight,
                                    s.w_norm, s.w_rest, s.g, s.c, self.valid, bitmask)
 
 
@@ -156,10 +154,6 @@ class LogitScreen:
             approx = self.approx(hidden.to(torch.bfloat16))
             exact = hidden.double() @ self.weight.double().t()
             return bool(((approx.double() - exact).abs() <= self.bounds(hidden, approx)).all())
-
-    @property
-    def ops(self):
-        return fused_ops()
 
     def __call__(self, hidden: torch.Tensor, valid: int) -> ScreenedRows | None:
         """hidden [N, H] fp32 screened (the bf16 GEMM: the step's cost); picks come later,

@@ -320,7 +320,8 @@ class ModelRunner:
         with self._tuned_threads(inputs):
             logits, meta = self.run(inputs, logit_rows, argmax_vocab)
         return ForwardOutput(
-            logits.cpu() if isinstance(logits, torch.Tensor) and logits.device.type != "cpu" else logits,
+            logits.cpu() if isinstance(logits, torch.Tensor) and logits.device.type != "cpu"
+            else logits,
             self.attn_backend.shared_kv_tokens(meta) if meta is not None else 0,
         )
 
