@@ -6,7 +6,12 @@
 1. extraction: 32 JSON-schema requests (a schema with fixed keys: name, age, tags) vs the same
    32 prompts unconstrained (ignore_eos, as many tokens as the constrained run produced on
    average): output tokens/s, constrained / unconstrained (both warmed up, then timed in
-   turns, --repeats times: medians), and validity of the outputs.
+   turns, --repeats times: medians), and validity of the outputs. Also against the same
+   prompts unconstrained at lengths matched request by request (each as many tokens as its
+   constrained output): the constrained outputs' lengths vary (SmolLM2: 22-61 tokens, median
+   24), and the longest decodes alone at the end, a tail that the mean-length run, all 32 in
+   step, does not have; the matched ratio is the grammar's own cost, the mean-length one also
+   the length spread's.
 2. jump-forward: model forward passes per request (the scheduler's `request_forwards` counter)
    for the same constrained requests with jump-forward on and off, and whether the texts agree.
 3. compile time per schema: cold (first submit) and cached (second submit), GrammarManager on
@@ -82,6 +87,7 @@ def extraction(model: str, backend: str, n: int = 32, repeats: int = 3) -> dict:
                 "forwards_per_request": delta["request_forwards"] / n,
                 "forced_tokens": delta["forced_tokens"], "finished": len(finished) / n,
                 "finished_valid": valid / max(1, len(finished)), "texts": texts,
+                "lengths": [r["meta_info"]["completion_tokens"] for r in res],
             }
             if jf:
                 # unconstrained on the same engine: same prompts, the same mean output length
@@ -89,23 +95,36 @@ def extraction(model: str, backend: str, n: int = 32, repeats: int = 3) -> dict:
                 # the thread tuner's probes and one-time builds), then timed in turns: medians
                 per = max(1, round(tokens / n))
                 free = {"max_new_tokens": per, "temperature": 0, "ignore_eos": True}
+                # and each request as long as its own constrained output
+                matched = [{"max_new_tokens": max(1, r["meta_info"]["completion_tokens"]),
+                            "temperature": 0, "ignore_eos": True} for r in res]
                 timed(eng, free)
-                cons_s, free_s = [], []
+                timed(eng, matched)
+                cons_s, free_s, matched_s = [], [], []
                 for _ in range(repeats):
                     cons_s.append(timed(eng, cons)[0])
                     usecs, ures, _ = timed(eng, free)
                     free_s.append(usecs)
-                utok = sum(r["meta_info"]["completion_tokens"] for r in ures)
+                    msecs, mres, _ = timed(eng, matched)
+                    matched_s.append(msecs)
                 row["seconds"] = statistics.median(cons_s)
                 row["out_tok_s"] = tokens / row["seconds"]
-                row["repeats"] = {"constrained_s": cons_s, "unconstrained_s": free_s}
-                usecs = statistics.median(free_s)
-                out["unconstrained"] = {"seconds": usecs, "output_tokens": utok,
-                                        "out_tok_s": utok / usecs}
+                row["repeats"] = {"constrained_s": cons_s, "unconstrained_s": free_s,
+                                  "matched_s": matched_s}
+                for key, results, secs_list in (("unconstrained", ures, free_s),
+                                                ("unconstrained_matched", mres, matched_s)):
+                    utok = sum(r["meta_info"]["completion_tokens"] for r in results)
+                    usecs = statistics.median(secs_list)
+                    out[key] = {"seconds": usecs, "output_tokens": utok,
+                                "out_tok_s": utok / usecs}
             out["jump_forward_on" if jf else "jump_forward_off"] = row
     on, off = out["jump_forward_on"], out["jump_forward_off"]
+    off.pop("lengths")
     out["same_text_jf_on_off"] = sum(a == b for a, b in zip(on.pop("texts"), off.pop("texts"))) / n
     out["constrained_vs_unconstrained"] = on["out_tok_s"] / out["unconstrained"]["out_tok_s"]
+    out["constrained_vs_unconstrained_matched"] = (
+        on["out_tok_s"] / out["unconstrained_matched"]["out_tok_s"])
+    out["output_lengths"] = sorted(on.pop("lengths"))
     out["forwards_saved"] = 1 - on["forwards_per_request"] / off["forwards_per_request"]
     return out
 
@@ -281,15 +300,18 @@ def markdown(res: dict) -> str:
     lines = [f"## Constrained generation — {res['model_name']}", "",
              f"`python -m benchmarks.grammar --model {res['model_name']}` ({res['when']}{git}); "
              f"greedy{'; random weights' if res['model_name'] == 'plait-tiny' else ''}.",
-             "", "| backend | constrained tok/s | unconstrained tok/s | ratio | forwards/req JF on | "
-             "JF off | fewer forwards | same text on/off | finished | valid |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| backend | constrained tok/s | unconstrained tok/s | ratio | "
+             "ratio, lengths matched | forwards/req JF on | JF off | fewer forwards | "
+             "same text on/off | finished | valid |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for b, r in res["backends"].items():
         e = r["extraction"]
         on, off, u = e["jump_forward_on"], e["jump_forward_off"], e["unconstrained"]
         lines.append(
             f"| {b} | {on['out_tok_s']:.0f} | {u['out_tok_s']:.0f} | "
-            f"{e['constrained_vs_unconstrained']:.2f}x | {on['forwards_per_request']:.1f} | "
+            f"{e['constrained_vs_unconstrained']:.2f}x | "
+            f"{e.get('constrained_vs_unconstrained_matched', float('nan')):.2f}x | "
+            f"{on['forwards_per_request']:.1f} | "
             f"{off['forwards_per_request']:.1f} | {e['forwards_saved']:.0%} | "
             f"{e['same_text_jf_on_off']:.0%} | {on['finished']:.0%} | {on['finished_valid']:.0%} |")
     lines += ["", "Compile time (ms), cold / cached:", "",
