@@ -1,0 +1,32 @@
+"""benchmarks/grammar.py's extraction on a tiny checkpoint: the unconstrained run at matched
+lengths gives each request as many tokens as its constrained output, and the report shows
+both ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def test_extraction_matches_lengths_request_by_request(checkpoint):
+    from benchmarks.grammar import extraction, markdown
+
+    out = extraction(checkpoint("tiny-llama"), "xgrammar", n=4, repeats=1)
+    lengths = out["output_lengths"]
+    assert len(lengths) == 4 and lengths == sorted(lengths) and min(lengths) > 0
+    on = out["jump_forward_on"]
+    assert on["output_tokens"] == sum(lengths)
+    # matched: the same tokens in all; the mean-length run: round(mean) each
+    assert out["unconstrained_matched"]["output_tokens"] == sum(lengths)
+    assert out["unconstrained"]["output_tokens"] == 4 * max(1, round(sum(lengths) / 4))
+    assert len(on["repeats"]["matched_s"]) == 1
+    assert out["constrained_vs_unconstrained_matched"] == pytest.approx(
+        on["out_tok_s"] / out["unconstrained_matched"]["out_tok_s"])
+    assert "lengths" not in on and "lengths" not in out["jump_forward_off"]
+    res = {"model_name": "tiny", "when": "now", "backends": {"xgrammar": {
+        "extraction": out, "compile": {}, "dev": {"error": "skipped"}}}}
+    row = next(line for line in markdown(res).splitlines() if line.startswith("| xgrammar |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3:5] == [f"{out['constrained_vs_unconstrained']:.2f}x",
+                          f"{out['constrained_vs_unconstrained_matched']:.2f}x"]
