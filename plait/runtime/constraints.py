@@ -27,6 +27,9 @@ CLOSE_RECHECK_SLACK = 4
 CLOSE_RECHECK_EVERY = 8
 # iterative deepening (shortest plan) up to this depth, then one depth-first search
 CLOSE_SHORTEST_DEPTH = 6
+# forced texts whose tokenization is kept (a schema's keys and punctuation: a handful of
+# distinct strings, each encoded hundreds of times a batch)
+FORCED_ENCODINGS = 4096
 # short texts from which a closing is assembled (punctuation, minimal values)
 # (tried in this order: compound closers, closers, separators, minimal values, then fillers
 # that only extend a value; a filler before a separator would make the first plan found
@@ -81,6 +84,7 @@ class ConstraintTracker:
         self._spelling_thread: threading.Thread | None = None
         self._mask_scratch: torch.Tensor | None = None  # one row, for _extension_allowed
         self._continuations: list[int] | None = None  # single-byte tokens 0x80-0xBF
+        self._forced_ids: dict[str, tuple[int, ...]] = {}  # _encode_forced's memo
 
     @property
     def manager(self):
@@ -182,13 +186,25 @@ class ConstraintTracker:
         text = m.find_jump_forward_string()
         if not text:
             return []
-        ids = self.tokenizer.encode(text, add_special_tokens=False)[:limit]
+        ids = self._encode_forced(text)[:limit]
         accepted = _accept_prefix(m, ids)
         ids = ids[:accepted]
         held, rolled = self._held_back(m, ids)
         if accepted - rolled:
             m.rollback(accepted - rolled)
         return ids[: accepted - held]
+
+    def _encode_forced(self, text: str) -> list[int]:
+        """The canonical tokens of forced text, memoized: jump-forward and the closing planner
+        encode the same few strings (`", "tags": [`, `}`, ...) over and over. SmolLM2's JSON
+        extraction batch made 414 encode calls of 7 distinct strings, 17 ms of its ~1.1 s."""
+        ids = self._forced_ids.get(text)
+        if ids is None:
+            if len(self._forced_ids) >= FORCED_ENCODINGS:
+                self._forced_ids.clear()
+            ids = self._forced_ids[text] = tuple(
+                self.tokenizer.encode(text, add_special_tokens=False))
+        return list(ids)
 
     def _held_back(self, m, ids: list[int]) -> tuple[int, int]:
         """How many of the forced `ids` (all accepted by m) to leave to the model: the most,
@@ -385,7 +401,7 @@ class ConstraintTracker:
             return False
         forced = m.find_jump_forward_string()
         if forced:
-            options = [self.tokenizer.encode(forced, add_special_tokens=False)]
+            options = [self._encode_forced(forced)]
         elif self._inside_string(m):
             # only a quote ends a string; any other closer is string content, and a depth-first
             # search that takes it wanders down ever longer strings until the budget is gone

@@ -148,3 +148,32 @@ def test_spelling_index_is_built_off_the_loop_once_a_grammar_is_used(tokenizer, 
     finally:
         t.shutdown()
         off.shutdown()
+
+
+def test_forced_text_is_encoded_once_per_string(tokenizer, vocab_size, eos_ids, backends,
+                                                monkeypatch):
+    """Jump-forward and the closing planner share one memo of forced texts' tokens: the same
+    ids as the tokenizer's, one encode per distinct string, and bounded."""
+    import plait.runtime.constraints as constraints
+
+    t = tracker(tokenizer, vocab_size, eos_ids)
+    calls = []
+    encode = tokenizer.encode
+
+    def counted(text, **kw):
+        calls.append(text)
+        return encode(text, **kw)
+
+    reqs = [request(backends, SCHEMA, '{"n": 5,', tokenizer) for _ in range(3)]
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    for req in reqs:
+        ids = t.jump_forward(req, limit=100)
+        assert "".join(decode(tokenizer, ids)) == ' "tags":'
+    assert calls == [' "tags": [']  # once, though three requests were forced the same text
+    first = t._encode_forced(' "tags": [')
+    first.append(-1)  # a caller's list is its own: the memo is not changed through it
+    assert t._encode_forced(' "tags": [') == encode(' "tags": [', add_special_tokens=False)
+    monkeypatch.setattr(constraints, "FORCED_ENCODINGS", 2)
+    for text in ("a", "b", "c"):
+        assert t._encode_forced(text) == encode(text, add_special_tokens=False)
+    assert len(t._forced_ids) <= 2
