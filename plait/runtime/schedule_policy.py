@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from plait.matching import common_prefix_len
 from plait.registry import SCHEDULE_POLICIES
 from plait.runtime.core import Req
 from plait.runtime.kv_manager import KVManager
@@ -141,10 +140,19 @@ def admit(
 
 
 def _shares_with_batch(req: Req, batch: list[Req], kv: KVManager) -> bool:
+    """req shares at least IN_BATCH_SHARE_MIN tokens past its cached prefix with a request of
+    the batch: their first cached + IN_BATCH_SHARE_MIN tokens are equal, compared as one slice
+    each (the judge workload's 64 requests on a 1,000-token rubric: walking whole common
+    prefixes took 175 ms of a 0.97 s cached run)."""
     if kv.cache.disable or not batch:
         return False
-    cached = kv.match(req)
+    need = kv.match(req) + IN_BATCH_SHARE_MIN
     ids = req.all_ids
-    return any(
-        common_prefix_len(ids, other.all_ids) - cached >= IN_BATCH_SHARE_MIN for other in batch
-    )
+    if len(ids) < need:
+        return False
+    head = ids[:need]
+    for other in batch:
+        o = other.all_ids
+        if len(o) >= need and o[:need] == head:
+            return True
+    return False

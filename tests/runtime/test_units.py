@@ -140,6 +140,19 @@ def test_admit_keeps_room_for_the_decode_reserve():
     assert kv.used == 0 and kv.req_to_token.free_size == 4  # refused admission let go of all
 
 
+@pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 127, 128, 200, 300])
+def test_common_prefix_len_at_and_around_its_chunk_boundaries(length):
+    from plait.matching import common_prefix_len
+
+    a = list(range(1000, 1300))
+    b = a[:length] + [-1] * 5  # differs right after `length` (or ends there: length 300)
+    assert common_prefix_len(a, b) == common_prefix_len(b, a) == length
+    assert common_prefix_len(a, a[:length]) == length  # one a prefix of the other
+    assert common_prefix_len(tuple(a), tuple(b)) == length
+    text = "".join(chr(0x4E00 + i) for i in range(300))
+    assert common_prefix_len(text, text[:length] + "x") == length
+
+
 # ---------------------------------------------------------------------- KVManager
 def test_a_request_sharing_a_chat_template_prefix_with_the_batch_waits_a_step():
     # a system prompt of IN_BATCH_SHARE_MIN tokens shared by three requests: the first is
