@@ -238,8 +238,9 @@ class ConstraintTracker:
             return False
         if self._mask_scratch is None:
             self._mask_scratch = allocate_token_bitmask(1, self.vocab_size)
-            self._mask_words = self._mask_scratch[0].numpy()  # a view: numpy gathers in ~3 us,
-            # torch's index_select and shifts took ~16 (SmolLM2's JSON batch: ~500 calls)
+            # a view of its words: the gather below in numpy takes ~3 us, torch's index_select
+            # and shifts took ~16 (SmolLM2's JSON extraction batch: ~500 calls)
+            self._mask_words = self._mask_scratch[0].numpy()
         m.fill_bitmask(self._mask_scratch, 0)
         candidates = ids[lo:hi]
         return bool(((self._mask_words[candidates >> 5] >> (candidates & 31)) & 1).any())
