@@ -79,7 +79,7 @@ class ScreenedRows:
         ([N, W] int32, the constraint tracker's) allows."""
         s = self.screen
         return fused_ops().screen_argmax(self.approx, self.hidden, self.hidden_bf16, s.weight,
-                                   s.w_norm, s.w_rest, s.g, s.c, self.valid, bitmask)
+                                         s.w_norm, s.w_rest, s.g, s.c, self.valid, bitmask)
 
 
 def has_bf16_units() -> bool:
