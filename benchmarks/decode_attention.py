@@ -2,6 +2,7 @@
 
     python -m benchmarks.decode_attention [--batches 1,8,32,64] [--context 280] [--prompt 128]
         [--layouts contiguous,scheduler,served] [--baseline 00bd50f] [--repeats 5] [--threads N]
+        [--kv-dtypes float32,bfloat16]
 
 Every layout is made by plait's own allocator (KVPool's free stack), not by hand:
   contiguous  each request's slots one ascending run (the best case, rarely served)
@@ -30,6 +31,11 @@ place, merged in C++).
 
 Variants: this checkout's kernel (`new`) and the kernel source at git `--baseline` (`old`),
 built side by side, alternated within each repeat; medians, and old/new as a ratio. With
+`--kv-dtypes float32,bfloat16` the layouts' K/V also come as a bf16 pool (the same values
+rounded; `--kv-cache-dtype bfloat16`), read by this checkout's kernels (`new-bfloat16`).
+The runs of a repeat go in a fixed order, and where the L3 holds much of a step's KV (480 MB
+on the Intel Xeon VM) a run right after one over the same pools starts warmer: compare
+variants in a run of one dtype (old/new 0.95x with bf16 runs in between, 1.00x without). With
 `--threads 1` the clock is the thread's CPU time (robust to a neighbour taking the core, not
 to a neighbour's memory traffic).
 """
@@ -132,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--avx2", action="store_true", help="also the new kernel built for AVX2")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--kv-dtypes", default="float32", help="pool dtypes (layouts): float32,bfloat16")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -173,23 +180,38 @@ def run_case(layout: str, batch: int, args, variants: dict) -> None:
         (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
         for _ in range(args.layers)
     ]
-    fns = {n: mod.decode_attention for n, mod in variants.items()}
-    outs = {n: fn(q, *kv[0], slots, lens, 0.125)[0] for n, fn in fns.items()}
-    if "old" in outs:
+    pools = {}  # dtype -> the layers' (K, V)
+    for name in args.kv_dtypes.split(","):
+        dtype = getattr(torch, name)
+        pools[name] = kv if dtype == torch.float32 else [(k.to(dtype), v.to(dtype)) for k, v in kv]
+    # run name -> (kernel, pool dtype); the baseline's kernel reads fp32 pools only
+    runs = {
+        n if dt == "float32" else f"{n}-{dt}": (mod.decode_attention, dt)
+        for dt in pools
+        for n, mod in variants.items()
+        if dt == "float32" or n != "old"
+    }
+    outs = {n: fn(q, *pools[dt][0], slots, lens, 0.125)[0] for n, (fn, dt) in runs.items()}
+    if "old" in outs and "new" in outs:
         torch.testing.assert_close(outs["new"], outs["old"], atol=1e-5, rtol=1e-5)
     # one thread: its CPU time, which a neighbour taking the core for a while does not inflate
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    per: dict[str, list[float]] = {n: [] for n in fns}
+    per: dict[str, list[float]] = {n: [] for n in runs}
     for _ in range(args.repeats):
-        for n, fn in fns.items():
+        for n, (fn, dt) in runs.items():
             t = clock()
-            for k, v in kv:
+            for k, v in pools[dt]:
                 fn(q, k, v, slots, lens, 0.125)
             per[n].append(clock() - t)
     step = {n: statistics.median(ts) * 1e3 for n, ts in per.items()}
-    mb = 2 * batch * args.context * HKV * HEAD_DIM * 4 * args.layers / 1e6
+    rows = batch * args.context * args.layers  # pool rows read per step, K and V each
+    mb = {n: 2 * rows * HKV * HEAD_DIM * pools[dt][0][0].element_size() / 1e6
+          for n, (_, dt) in runs.items()}
+    # ns per token (one layer's K and V row) per thread: comparable across batches and threads
+    ns = {n: ms * 1e6 * torch.get_num_threads() / rows for n, ms in step.items()}
     line = f"{layout:10s} B={batch:3d} L={args.context}: " + ", ".join(
-        f"{n} {ms:6.2f} ms/step ({mb / ms:5.1f} GB/s)" for n, ms in step.items()
+        f"{n} {ms:6.2f} ms/step ({mb[n] / ms:5.1f} GB/s, {ns[n]:5.1f} ns/token/thread)"
+        for n, ms in step.items()
     )
     if "old" in step:
         line += f"  old/new {step['old'] / step['new']:.2f}x"

@@ -1,6 +1,8 @@
 // Decode attention over the KV pool for the CPU, reading K/V rows in place through slot lists.
 // Built twice from this one source (plait/kernels/cpu_attention.py picks at run time): with
 // -mavx512f... (16-float vectors, masked tails) and with -mavx2 -mfma (8-float vectors).
+// The pool may be float32 or bfloat16 (--kv-cache-dtype, for an fp32 model): bf16 K/V are
+// widened to fp32 exactly (bits << 16) as they are read; q, the arithmetic and results are fp32.
 //
 // A sequence b has R query rows per kv head (a decode request: its G grouped-query heads; a
 // shared prefix: the G heads of each of its n members, R = n * G) and lens[b] KV rows found
@@ -50,6 +52,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -63,6 +66,16 @@ inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 // the first n (1..W) floats at p, zeros after: reads nothing past p + n
 inline vec vload_n(const float* p, int64_t n) {
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+// W bf16 values -> W floats (exact: each value's bits are the high half of its float)
+inline vec vwiden(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const at::BFloat16* p) {
+  return vwiden(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vec vload_n(const at::BFloat16* p, int64_t n) {
+  return vwiden(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
 }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -103,6 +116,18 @@ inline vec vload_n(const float* p, int64_t n) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane));
 }
+inline vec vwiden(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const at::BFloat16* p) {
+  return vwiden(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// (no 16-bit masked load in AVX2: a copy; head_dim % 8 == 0 leaves AVX2 no partial vector)
+inline vec vload_n(const at::BFloat16* p, int64_t n) {
+  alignas(16) at::BFloat16 b[W] = {};
+  std::copy(p, p + n, b);
+  return vload(b);
+}
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
@@ -142,6 +167,10 @@ inline vec vpow2(vec p, vec n) {
 }
 #endif
 
+// one pool element as a float (bf16: exact)
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+
 // exp(x) for x <= 0 (softmax arguments): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, a
 // degree-6 polynomial for e^r (relative error ~2e-7, below fp32 attention's own rounding).
 inline vec vexp(vec x) {
@@ -168,10 +197,11 @@ inline vec vexp(vec x) {
 constexpr int64_t PREFETCH_AHEAD = W;  // tokens: one block (see the header)
 constexpr int64_t CHUNK = 256;  // keys per task, about (batch 1 of 280 keys: two tasks of 140)
 
-// every cache line of one pool row (its first byte's line to its last byte's)
-inline void prefetch_row(const float* row, int64_t floats) {
+// every cache line of one pool row of n elements (its first byte's line to its last byte's)
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t n) {
   const char* p = reinterpret_cast<const char*>(row);
-  const int64_t bytes = floats * 4;
+  const int64_t bytes = n * int64_t(sizeof(KV));
   for (int64_t a = 0; a < bytes; a += 64) _mm_prefetch(p + a, PLAIT_STREAM_HINT);
   _mm_prefetch(p + bytes - 1, PLAIT_STREAM_HINT);
 }
@@ -181,13 +211,13 @@ struct Shape {
 };
 
 // o[r] = o[r] * alpha[r] + sum over the block's nt tokens of p[r][t] * v[t], for RB rows and
-// NV vectors of the row from float d0 (with TAIL, the last of them `tail` floats long: it ends
+// NV vectors of the row from element d0 (with TAIL, the last of them `tail` long: it ends
 // the row); o's rows are Dp floats apart, p's W. The RB * NV accumulators, RB broadcast
 // probabilities and one V vector must fit the register file (AVX2: 16): a tile that did not
 // (4 x 4, or 3 x 4 with all four V vectors held) kept its accumulators on the stack and ran
 // each token through a store-to-load round trip, ~2.5x slower (kVRows/kVVecs below).
-template <int RB, int NV, bool TAIL>
-void v_block(const float* const* vrows, int64_t nt, const float* p, const float* alpha,
+template <typename KV, int RB, int NV, bool TAIL>
+void v_block(const KV* const* vrows, int64_t nt, const float* p, const float* alpha,
              int64_t d0, int64_t tail, float* o, int64_t o_stride) {
   vec acc[RB][NV];
   for (int r = 0; r < RB; r++) {
@@ -195,7 +225,7 @@ void v_block(const float* const* vrows, int64_t nt, const float* p, const float*
     for (int j = 0; j < NV; j++) acc[r][j] = vmul(vload(o + r * o_stride + d0 + j * W), a);
   }
   for (int64_t t = 0; t < nt; t++) {
-    const float* v = vrows[t] + d0;
+    const KV* v = vrows[t] + d0;
     vec pr[RB];
     for (int r = 0; r < RB; r++) pr[r] = vset1(p[r * W + t]);
     for (int j = 0; j < NV; j++) {
@@ -207,7 +237,8 @@ void v_block(const float* const* vrows, int64_t nt, const float* p, const float*
     for (int j = 0; j < NV; j++) vstore(o + r * o_stride + d0 + j * W, acc[r][j]);
 }
 
-using VBlockFn = void (*)(const float* const*, int64_t, const float*, const float*, int64_t,
+template <typename KV>
+using VBlockFn = void (*)(const KV* const*, int64_t, const float*, const float*, int64_t,
                           int64_t, float*, int64_t);
 
 #if defined(__AVX512F__)
@@ -216,33 +247,35 @@ constexpr int64_t kVRows = 4, kVVecs = 4;  // 16 accumulators of 32 registers
 constexpr int64_t kVRows = 3, kVVecs = 4;  // 12 accumulators + 3 broadcasts + 1 V vector = 16
 #endif
 
-template <int RB, int NV>
-VBlockFn v_block_tail(bool tail) {
-  return tail ? v_block<RB, NV, true> : v_block<RB, NV, false>;
+template <typename KV, int RB, int NV>
+VBlockFn<KV> v_block_tail(bool tail) {
+  return tail ? v_block<KV, RB, NV, true> : v_block<KV, RB, NV, false>;
 }
 
-template <int RB>
-VBlockFn v_block_for(int64_t nv, bool tail) {
+template <typename KV, int RB>
+VBlockFn<KV> v_block_for(int64_t nv, bool tail) {
   switch (nv) {
-    case 1: return v_block_tail<RB, 1>(tail);
-    case 2: return v_block_tail<RB, 2>(tail);
-    case 3: return v_block_tail<RB, 3>(tail);
-    default: return v_block_tail<RB, 4>(tail);
+    case 1: return v_block_tail<KV, RB, 1>(tail);
+    case 2: return v_block_tail<KV, RB, 2>(tail);
+    case 3: return v_block_tail<KV, RB, 3>(tail);
+    default: return v_block_tail<KV, RB, 4>(tail);
   }
 }
 
 // rb <= kVRows rows, nv <= kVVecs vectors
-VBlockFn v_block_fn(int64_t rb, int64_t nv, bool tail) {
+template <typename KV>
+VBlockFn<KV> v_block_fn(int64_t rb, int64_t nv, bool tail) {
   switch (rb) {
-    case 1: return v_block_for<1>(nv, tail);
-    case 2: return v_block_for<2>(nv, tail);
-    case 3: return v_block_for<3>(nv, tail);
-    default: return v_block_for<kVRows>(nv, tail);
+    case 1: return v_block_for<KV, 1>(nv, tail);
+    case 2: return v_block_for<KV, 2>(nv, tail);
+    case 3: return v_block_for<KV, 3>(nv, tail);
+    default: return v_block_for<KV, kVRows>(nv, tail);
   }
 }
 
-// the W scores s[t] = q . k_t of one query row against a block of W key rows (D floats each)
-inline vec score_block(const float* q, const float* const* krow, const Shape& sh) {
+// the W scores s[t] = q . k_t of one query row against a block of W key rows (D elements each)
+template <typename KV>
+inline vec score_block(const float* q, const KV* const* krow, const Shape& sh) {
   vec acc[W];
   for (int64_t t = 0; t < W; t++) acc[t] = vzero();
   for (int64_t j = 0; j < sh.nvec - 1; j++) {
@@ -284,10 +317,11 @@ inline void score_rows_tile(const float* q, const float* kt, const Shape& sh, fl
 // Many query rows against one block (a shared prefix's n members x G heads): the block's K
 // rows transposed once into kt [Dp, W], then scores s[r] = sum_d q[r, d] kt[d] as a small
 // GEMM, 8 rows at a time (no horizontal sums). qs: [R, Dp] of one kv head; s: [R, W].
-void score_rows_gemm(const float* qs, int64_t R, const float* const* kh, const Shape& sh,
+template <typename KV>
+void score_rows_gemm(const float* qs, int64_t R, const KV* const* kh, const Shape& sh,
                      float* kt, float* s) {
   for (int64_t t = 0; t < W; t++)
-    for (int64_t d = 0; d < sh.D; d++) kt[d * W + t] = kh[t][d];
+    for (int64_t d = 0; d < sh.D; d++) kt[d * W + t] = to_float(kh[t][d]);
   for (int64_t d = sh.D; d < sh.Dp; d++)
     for (int64_t t = 0; t < W; t++) kt[d * W + t] = 0.0f;
   int64_t r0 = 0;
@@ -312,9 +346,10 @@ void score_rows_gemm(const float* qs, int64_t R, const float* const* kh, const S
 constexpr int64_t GEMM_ROWS = 24;
 
 // Scratch of one thread: block probabilities [H*R, W], running max / sum / rescale [H*R],
-// accumulators [H*R, Dp]; for many rows, one head's block scores [R, W] and K^T [Dp, W]
+// accumulators [H*R, Dp]; for many rows, one head's block scores [R, W] and K^T [Dp, W]; with
+// the rows in the lanes over a bf16 pool, the block's K and V rows widened [2, LANE_BLOCK, Dp]
 struct Scratch {
-  std::vector<float> p, m, l, alpha, o, s, kt;
+  std::vector<float> p, m, l, alpha, o, s, kt, kv;
 };
 
 // Many query rows per kv head (from LANES_ROWS): the rows go in the vector lanes instead, each
@@ -343,10 +378,13 @@ constexpr int64_t LANE_CHUNK = 512;
 // floats per row of qT / oT: R rows padded to whole row vectors
 inline int64_t lane_width(int64_t R) { return (R + W - 1) / W * W; }
 
-// s[t][v] = sum_d qT[d][v] k_t[d] for KT keys and NV row vectors from v0 (rows RVW floats)
+// s[t][v] = sum_d qT[d][v] k_t[d] for KT keys and NV row vectors from v0 (rows RVW floats).
+// (This and the three below are inlined into attend_chunk_lanes as before it had a bf16 twin:
+// left to the compiler, they became calls from both, and the fp32 lanes ran ~4% slower.)
 template <int KT, int NV>
-void lane_scores(const float* qT, int64_t RVW, const float* const* krow, int64_t D, int64_t v0,
-                 float* s) {
+[[gnu::always_inline]] inline void lane_scores(const float* qT, int64_t RVW,
+                                               const float* const* krow, int64_t D, int64_t v0,
+                                               float* s) {
   vec acc[KT][NV];
   for (int i = 0; i < KT; i++)
     for (int j = 0; j < NV; j++) acc[i][j] = vzero();
@@ -365,8 +403,9 @@ void lane_scores(const float* qT, int64_t RVW, const float* const* krow, int64_t
 
 // oT[d][v] = oT[d][v] alpha[v] + sum_t<nt p[t][v] v_t[d] for DT dims from d0, NV row vectors
 template <int DT, int NV>
-void lane_values(float* oT, int64_t RVW, const float* p, const float* alpha,
-                 const float* const* vrow, int64_t nt, int64_t d0, int64_t v0) {
+[[gnu::always_inline]] inline void lane_values(float* oT, int64_t RVW, const float* p,
+                                               const float* alpha, const float* const* vrow,
+                                               int64_t nt, int64_t d0, int64_t v0) {
   vec acc[DT][NV];
   for (int j = 0; j < NV; j++) {
     const vec a = vload(alpha + (v0 + j) * W);
@@ -385,8 +424,9 @@ void lane_values(float* oT, int64_t RVW, const float* p, const float* alpha,
 }
 
 template <int NV>
-void lane_scores_n(int64_t nv, const float* qT, int64_t RVW, const float* const* krow, int64_t D,
-                   int64_t v0, float* s) {
+[[gnu::always_inline]] inline void lane_scores_n(int64_t nv, const float* qT, int64_t RVW,
+                                                 const float* const* krow, int64_t D, int64_t v0,
+                                                 float* s) {
   if constexpr (NV > 1) {
     if (nv < NV) return lane_scores_n<NV - 1>(nv, qT, RVW, krow, D, v0, s);
   }
@@ -394,19 +434,31 @@ void lane_scores_n(int64_t nv, const float* qT, int64_t RVW, const float* const*
 }
 
 template <int NV>
-void lane_values_n(int64_t nv, float* oT, int64_t RVW, const float* p, const float* alpha,
-                   const float* const* vrow, int64_t nt, int64_t d0, int64_t v0) {
+[[gnu::always_inline]] inline void lane_values_n(int64_t nv, float* oT, int64_t RVW,
+                                                 const float* p, const float* alpha,
+                                                 const float* const* vrow, int64_t nt, int64_t d0,
+                                                 int64_t v0) {
   if constexpr (NV > 1) {
     if (nv < NV) return lane_values_n<NV - 1>(nv, oT, RVW, p, alpha, vrow, nt, d0, v0);
   }
   lane_values<kLaneDims, NV>(oT, RVW, p, alpha, vrow, nt, d0, v0);
 }
 
+// a bf16 pool row (sh.D elements) as floats at dst (sh.Dp: zeros after D)
+inline void widen_row(const at::BFloat16* src, const Shape& sh, float* dst) {
+  for (int64_t j = 0; j < sh.nvec; j++)
+    vstore(dst + j * W, j == sh.nvec - 1 && sh.tail < W ? vload_n(src + j * W, sh.tail)
+                                                         : vload(src + j * W));
+}
+
 // attend_chunk's contract (below) with the rows in the lanes, for row vectors [va, vb) (rows
 // va W .. vb W - 1, those below R) only; qT: the query rows transposed (lane_queries),
-// [H, D, RVW]
+// [H, D, RVW]. A bf16 pool's rows are widened once a block: the lanes broadcast each element
+// into several row vectors, and widening it at each broadcast (a shift and a move to a vector
+// register, on a port the multiply-adds use) cost ~10% at 192 rows on the Intel Xeon VM
+template <typename KV>
 void attend_chunk_lanes(const float* qT_all, const Shape& sh, int64_t va, int64_t vb,
-                        const float* kbuf, const float* vbuf, int64_t row, const int64_t* slots,
+                        const KV* kbuf, const KV* vbuf, int64_t row, const int64_t* slots,
                         int64_t n, float* o_out, float* lse, Scratch& sc) {
   const int64_t H = sh.H, R = sh.R, D = sh.D, RVW = lane_width(R);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -414,6 +466,7 @@ void attend_chunk_lanes(const float* qT_all, const Shape& sh, int64_t va, int64_
   sc.alpha.resize(RVW);
   float* s = sc.s.data();
   float* alpha = sc.alpha.data();
+  if constexpr (!std::is_same_v<KV, float>) sc.kv.resize(2 * LANE_BLOCK * sh.Dp);
   for (int64_t h = 0; h < H; h++) {
     const float* qT = qT_all + h * D * RVW;
     sc.o.assign(D * RVW, 0.0f);
@@ -425,9 +478,17 @@ void attend_chunk_lanes(const float* qT_all, const Shape& sh, int64_t va, int64_
       const float* krow[LANE_BLOCK];
       const float* vrow[LANE_BLOCK];
       for (int64_t t = 0; t < LANE_BLOCK; t++) {  // past the end: the last row again (unused)
-        const int64_t slot = slots[t0 + std::min(t, nt - 1)];
-        krow[t] = kbuf + slot * row + h * D;
-        vrow[t] = vbuf + slot * row + h * D;
+        const int64_t last = std::min(t, nt - 1);
+        const KV* k = kbuf + slots[t0 + last] * row + h * D;
+        const KV* v = vbuf + slots[t0 + last] * row + h * D;
+        if constexpr (std::is_same_v<KV, float>) {
+          krow[t] = k, vrow[t] = v;
+        } else {  // (past the end: row nt - 1's copy)
+          float* kf = sc.kv.data() + last * sh.Dp;
+          float* vf = kf + LANE_BLOCK * sh.Dp;
+          if (t < nt) widen_row(k, sh, kf), widen_row(v, sh, vf);
+          krow[t] = kf, vrow[t] = vf;
+        }
       }
       for (int64_t t = t0 + LANE_BLOCK; t < std::min(t0 + 2 * LANE_BLOCK, n); t++) {
         prefetch_row(kbuf + slots[t] * row + h * D, D);
@@ -478,14 +539,15 @@ std::vector<float> lane_queries(const float* q, float scale, int64_t N, int64_t 
 }
 
 // One task: the KV rows slots[0:n) of one sequence, sh.H kv heads (all, or a run of them: kbuf
-// and vbuf then point at the run's first head in the pool rows, `row` floats apart), one pass
+// and vbuf then point at the run's first head in the pool rows, `row` elements apart), one pass
 // over blocks of W tokens with an online softmax. qs: [H, R, Dp] query rows, pre-scaled,
 // zero-padded. Writes o_out [H, R, D] (normalized) and lse [H, R].
-void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const float* vbuf,
+template <typename KV>
+void attend_chunk(const float* qs, const Shape& sh, const KV* kbuf, const KV* vbuf,
                   int64_t row, const int64_t* slots, int64_t n, float* o_out, float* lse,
                   Scratch& sc) {
   const int64_t H = sh.H, R = sh.R, D = sh.D, Dp = sh.Dp, HR = H * R;
-  const int64_t span = H * D;  // floats of each pool row this task reads
+  const int64_t span = H * D;  // elements of each pool row this task reads
   const int64_t row_blocks = (R + kVRows - 1) / kVRows;  // V-pass units of work per kv head
   const float neg_inf = -std::numeric_limits<float>::infinity();
   sc.p.resize(HR * W);
@@ -510,8 +572,8 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
     // tokens [pf0, pf1) get their K rows prefetched a few per score unit (one query row), and
     // their V rows a few per V-pass unit (up to 4 query rows), not all at once (see header)
     const int64_t pf0 = t0 + PREFETCH_AHEAD, pf1 = std::min(pf0 + W, n);
-    const float* krow[W];
-    const float* vrow[W];
+    const KV* krow[W];
+    const KV* vrow[W];
     for (int64_t t = 0; t < W; t++) {  // past the end: the last row again (probability 0)
       const int64_t slot = slots[t0 + std::min(t, nt - 1)];
       krow[t] = kbuf + slot * row;
@@ -521,7 +583,7 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
     const vec valid = vload(lane);
     // scores of the block, then the online softmax: new max, rescale factor, probabilities
     for (int64_t h = 0; h < H; h++) {
-      const float* kh[W];
+      const KV* kh[W];
       for (int64_t t = 0; t < W; t++) kh[t] = krow[t] + h * D;
       if (gemm) score_rows_gemm(qs + h * R * Dp, R, kh, sh, sc.kt.data(), sc.s.data());
       for (int64_t r = 0; r < R; r++) {
@@ -540,7 +602,7 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
     }
     // o = o * alpha + p . V, register-blocked: up to kVRows rows x kVVecs vectors at a time
     for (int64_t h = 0; h < H; h++) {
-      const float* vh[W];
+      const KV* vh[W];
       for (int64_t t = 0; t < W; t++) vh[t] = vrow[t] + h * D;
       for (int64_t r0 = 0; r0 < R; r0 += kVRows) {
         const int64_t rb = std::min<int64_t>(kVRows, R - r0);
@@ -550,7 +612,7 @@ void attend_chunk(const float* qs, const Shape& sh, const float* kbuf, const flo
         for (int64_t j0 = 0; j0 < sh.nvec; j0 += kVVecs) {
           const int64_t nv = std::min<int64_t>(kVVecs, sh.nvec - j0);
           const bool tail = j0 + nv == sh.nvec && sh.tail < W;
-          v_block_fn(rb, nv, tail)(vh, nt, p + hr * W, sc.alpha.data() + hr, j0 * W, sh.tail,
+          v_block_fn<KV>(rb, nv, tail)(vh, nt, p + hr * W, sc.alpha.data() + hr, j0 * W, sh.tail,
                                    o + hr * Dp, Dp);
         }
       }
@@ -596,13 +658,17 @@ std::vector<Task> plan_tasks(const int64_t* lens, int64_t B, std::vector<int64_t
 
 }  // namespace
 
-// q [B, Hkv, R, D] float32; k_buffer, v_buffer [S, Hkv, D] float32 (one layer of the pool);
-// slots [B, W] int64 (row b's first lens[b] entries are its KV slots); lens [B] int64.
+// q [B, Hkv, R, D] float32; k_buffer, v_buffer [S, Hkv, D] (one layer of the pool), both float32
+// or both bfloat16; slots [B, W] int64 (row b's first lens[b] entries are its KV slots); lens [B]
+// int64.
 std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer,
                                          at::Tensor slots, at::Tensor lens, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q: [B, Hkv, R, D] float32");
-  TORCH_CHECK(k_buffer.scalar_type() == at::kFloat && v_buffer.scalar_type() == at::kFloat,
-              "K/V buffers: float32");
+  const auto kv_type = k_buffer.scalar_type();
+  TORCH_CHECK(v_buffer.scalar_type() == kv_type, "K/V buffers: one dtype (K ", kv_type, ", V ",
+              v_buffer.scalar_type(), ")");
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16,
+              "K/V buffers: float32 or bfloat16, not ", kv_type);
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "K/V buffers: contiguous");
   TORCH_CHECK(k_buffer.sizes() == v_buffer.sizes(), "K/V buffers: same shape");
   TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
@@ -646,8 +712,6 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
   auto lse = at::empty({B, H, R}, q.options());
   float* op = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
-  const float* kp = k_buffer.data_ptr<float>();
-  const float* vp = v_buffer.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> parts_of;
   // the lanes' chunks are longer: each sets up its accumulators and writes them out transposed
@@ -679,30 +743,37 @@ std::vector<at::Tensor> decode_attention(at::Tensor q, at::Tensor k_buffer, at::
         t.v0 = RV * j / row_parts, t.v1 = RV * (j + 1) / row_parts;
         work_items.push_back(t);
       }
-  std::atomic<int64_t> next{0};
-  auto work = [&](int64_t, int64_t) {
-    Scratch scratch;
-    for (int64_t i = next.fetch_add(1); i < int64_t(work_items.size()); i = next.fetch_add(1)) {
-      const Task& t = work_items[i];
-      float* o = t.part < 0 ? op + t.b * per_seq : part_out.data() + t.part * per_seq;
-      float* l = t.part < 0 ? lsep + t.b * H * R : part_lse.data() + t.part * H * R;
-      Shape run = sh;
-      run.H = t.h1 - t.h0;
-      if (lanes)
-        attend_chunk_lanes(qT.data() + (t.b * H + t.h0) * D * lane_width(R), run, t.v0, t.v1,
-                           kp + t.h0 * D,
-                           vp + t.h0 * D, H * D, sp + t.b * Wd + t.start, t.len,
-                           o + t.h0 * R * D, l + t.h0 * R, scratch);
-      else
-        attend_chunk(qs.data() + (t.b * H + t.h0) * R * sh.Dp, run, kp + t.h0 * D,
-                     vp + t.h0 * D, H * D, sp + t.b * Wd + t.start, t.len, o + t.h0 * R * D,
-                     l + t.h0 * R, scratch);
-    }
+  // the work items over the pool's elements (kp, vp: const float* or const at::BFloat16*)
+  auto attend = [&](const auto* kp, const auto* vp) {
+    std::atomic<int64_t> next{0};
+    auto work = [&](int64_t, int64_t) {
+      Scratch scratch;
+      for (int64_t i = next.fetch_add(1); i < int64_t(work_items.size());
+           i = next.fetch_add(1)) {
+        const Task& t = work_items[i];
+        float* o = t.part < 0 ? op + t.b * per_seq : part_out.data() + t.part * per_seq;
+        float* l = t.part < 0 ? lsep + t.b * H * R : part_lse.data() + t.part * H * R;
+        Shape run = sh;
+        run.H = t.h1 - t.h0;
+        if (lanes)
+          attend_chunk_lanes(qT.data() + (t.b * H + t.h0) * D * lane_width(R), run, t.v0, t.v1,
+                             kp + t.h0 * D, vp + t.h0 * D, H * D, sp + t.b * Wd + t.start,
+                             t.len, o + t.h0 * R * D, l + t.h0 * R, scratch);
+        else
+          attend_chunk(qs.data() + (t.b * H + t.h0) * R * sh.Dp, run, kp + t.h0 * D,
+                       vp + t.h0 * D, H * D, sp + t.b * Wd + t.start, t.len, o + t.h0 * R * D,
+                       l + t.h0 * R, scratch);
+      }
+    };
+    if (work_items.size() > 1 && threads > 1)
+      at::parallel_for(0, threads, 1, work);
+    else
+      work(0, 1);
   };
-  if (work_items.size() > 1 && threads > 1)
-    at::parallel_for(0, threads, 1, work);
+  if (kv_type == at::kBFloat16)
+    attend(k_buffer.data_ptr<at::BFloat16>(), v_buffer.data_ptr<at::BFloat16>());
   else
-    work(0, 1);
+    attend(k_buffer.data_ptr<float>(), v_buffer.data_ptr<float>());
   // merge the chunks of split sequences by their log-sum-exps
   for (int64_t b = 0; b < B; b++) {
     const int64_t p0 = parts_of[b], p1 = parts_of[b + 1];

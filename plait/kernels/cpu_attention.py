@@ -11,14 +11,15 @@ these are the paths the CPU actually runs:
   prefix is read from the pool once and attended by all its queries together (n members x G
   query heads as the rows of each kv head), and each request's own suffix separately. The two
   partial results are merged with their log-sum-exps.
-* decode on a CPU with AVX2 or AVX-512 and fp32 KV: plait's own kernel (attn_cpu.cpp, built
-  for the widest of the two the CPU has) reads K/V rows in place through the slot lists, for
-  the suffixes and for the shared prefixes, and merges them; no gathered copy. It is compiled
-  with torch's cpp_extension in a background thread when a model runner starts (about a
-  minute the first time, then loaded from torch's extension cache); until it is ready, and on
-  other CPUs, dtypes or with `--disable-cpu-attention-kernel`, torch's path runs: a padded
-  gather of each request's suffix (one `index_select`) and of each shared prefix, attended by
-  torch's fused flash kernel.
+* decode on a CPU with AVX2 or AVX-512, fp32 queries and an fp32 or bf16 KV pool
+  (`--kv-cache-dtype bfloat16`: widened to fp32 as it is read): plait's own kernel
+  (attn_cpu.cpp, built for the widest of the two the CPU has) reads K/V rows in place through
+  the slot lists, for the suffixes and for the shared prefixes, and merges them; no gathered
+  copy. It is compiled with torch's cpp_extension in a background thread when a model runner
+  starts (about a minute the first time, then loaded from torch's extension cache); until it
+  is ready, and on other CPUs, dtypes or with `--disable-cpu-attention-kernel`, torch's path
+  runs: a padded gather of each request's suffix (one `index_select`) and of each shared
+  prefix, attended by torch's fused flash kernel.
 """
 
 from __future__ import annotations
@@ -266,7 +267,8 @@ def decode_attention_cpu(
     if (
         kernel is not None
         and q.device.type == "cpu"
-        and q.dtype == k_buffer.dtype == torch.float32
+        and q.dtype == torch.float32
+        and k_buffer.dtype == v_buffer.dtype in (torch.float32, torch.bfloat16)
         and head_dim % 8 == 0
         and k_buffer.is_contiguous()
         and v_buffer.is_contiguous()

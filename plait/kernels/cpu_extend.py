@@ -6,11 +6,12 @@ Two paths, the same contract as `torch_backend.extend_attention_reference`:
   read in place through each request's slot list and the grouped-query heads of a kv head
   share each K/V row. Built with torch's cpp_extension (AVX-512 or AVX2 code, whichever the
   CPU runs) in a background thread when a model runner starts, then loaded from torch's
-  extension cache; fp32 only (the CPU default).
+  extension cache; fp32 q (the CPU default) over an fp32 or a bf16 pool (`--kv-cache-dtype
+  bfloat16`: its rows are widened to fp32 exactly, the math and the output stay fp32).
 * torch's: per request, index_select the KV out of the pool and one fused
   `scaled_dot_product_attention` with `enable_gqa` (`is_causal` when nothing is cached, an
-  explicit [E, S] mask otherwise). It runs until the kernel is ready, for other dtypes, on
-  CPUs without AVX2 and with `--disable-cpu-extend-kernel`.
+  explicit [E, S] mask otherwise). It runs until the kernel is ready, for other dtypes (a
+  bf16 model's q), on CPUs without AVX2 and with `--disable-cpu-extend-kernel`.
 """
 
 from __future__ import annotations
@@ -112,13 +113,21 @@ def plan_extend(meta: AttentionMetadata) -> ExtendPlan:
     return plan
 
 
-def _kernel_suits(q: torch.Tensor, k_buffer: torch.Tensor, meta: AttentionMetadata) -> bool:
+_KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernel_suits(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, meta: AttentionMetadata
+) -> bool:
     return (
         _kernel is not None
         and q.device.type == "cpu"
-        and q.dtype == k_buffer.dtype == torch.float32
+        and q.dtype == torch.float32
+        and k_buffer.dtype == v_buffer.dtype
+        and k_buffer.dtype in _KERNEL_POOL_DTYPES
         and q.stride(2) == 1
         and k_buffer.is_contiguous()
+        and v_buffer.is_contiguous()
         and q.shape[2] % _kernel_width == 0
         and meta.req_to_token.dtype == torch.int32
     )
@@ -135,7 +144,7 @@ def extend_attention_cpu(
     """q: [T, H, D] -> [T, H, D]; K/V read from the pool (already holding the new tokens).
     `use_kernel`: through extend_attn_cpu.cpp when it has been built and the inputs suit it."""
     plan = plan_extend(meta)
-    if use_kernel and _kernel_suits(q, k_buffer, meta):
+    if use_kernel and _kernel_suits(q, k_buffer, v_buffer, meta):
         return _kernel.extend_attention(
             q, k_buffer, v_buffer, meta.req_to_token, plan.table, scaling
         )

@@ -17,11 +17,19 @@
 //   position p sees keys 0..p) applied only on the blocks that cross it; O += P V reads the
 //   value rows in place too.
 //
+// The pool may be fp32 or bf16 (`--kv-cache-dtype bfloat16` for an fp32 model: half the KV
+// bytes), q, the math and out fp32 either way. A bf16 block's K and V rows are widened to
+// fp32 scratch as the block starts (exact: a bf16 is the top half of the fp32 it stands for),
+// once per key, where widening in the GEMMs would redo it on every pass over the tile's rows;
+// the GEMMs and the softmax then run the same fp32 code for both pools, in the same order, so
+// a bf16 pool gives bitwise the result of an fp32 pool holding the same values.
+//
 // Register blocking for AVX-512 (W = 16 floats): S^T in 6 keys x 64 rows (24 accumulators),
 // O in 6 rows x 64 dims; for AVX2 (W = 8) 6 x 16 and 6 x 16. The code is written with GCC
 // vector extensions so one source serves both (the -m flags pick W).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -54,6 +63,17 @@ typedef int32_t vi __attribute__((vector_size(W * 4)));
 inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 inline vf splat(float s) { return s - vf{}; }  // (0 + s would keep an add: -0 + 0 is +0)
+// W bf16 (their bits) -> fp32: zero-extended and shifted into the top half. Intrinsics, as
+// GCC 12 splits __builtin_convertvector's widening into halves and reinserts them
+inline vf widen(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#endif
+}
 
 // 2^x for x <= 0 (scores minus their running max, in log2 units): 2^n * 2^r with n = x
 // rounded, |r| <= 1/2, and 2^r = e^(r ln2) by a degree-6 Taylor polynomial (relative error
@@ -189,14 +209,26 @@ struct Task {
 
 struct Scratch {
   std::vector<float> qt, st, o, m, l;
+  std::vector<float> kb, vb;  // a bf16 pool's block rows, widened: [KB, D] each
   std::vector<const float*> krow, vrow;
 };
+
+// row n of the block as fp32: an fp32 pool's row in place, a bf16 pool's widened into buf
+inline const float* fp32_row(const float* row, std::vector<float>&, int64_t, int64_t) {
+  return row;
+}
+inline const float* fp32_row(const uint16_t* row, std::vector<float>& buf, int64_t n,
+                             int64_t D) {
+  float* dst = buf.data() + n * D;
+  for (int64_t d = 0; d < D; d += W) store(dst + d, widen(row + d));
+  return dst;
+}
 
 struct Args {
   const float* q;
   int64_t q_s0, q_s1;  // strides of q's token and head dims (its head_dim is contiguous)
-  const float* k;
-  const float* v;
+  const void* k;       // the pool's element type is run_tile's T
+  const void* v;
   int64_t kv_s0;       // stride of a pool row (kv heads x head_dim)
   const int32_t* r2t;  // req_to_token
   int64_t r2t_s0;
@@ -206,6 +238,8 @@ struct Args {
   float scale_log2;    // softmax scale times log2(e): scores in log2 units
 };
 
+// T: the pool's element type, float or uint16_t (bf16 bits)
+template <typename T>
 void run_tile(const Args& a, const Task& t, Scratch& s) {
   const int64_t* row = a.table + t.req * 4;
   const int64_t start = row[0], prefix = row[1];
@@ -221,6 +255,12 @@ void run_tile(const Args& a, const Task& t, Scratch& s) {
   s.l.assign(mp, 0.0f);
   s.krow.resize(KB);
   s.vrow.resize(KB);
+  if constexpr (!std::is_same_v<T, float>) {
+    s.kb.resize(KB * D);
+    s.vb.resize(KB * D);
+  }
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
   // QT[d, r] = q[start + t0 + r / G, head * G + r % G, d] * scale * log2(e)
   for (int64_t r = 0; r < rows; r++) {
     const float* src = a.q + (start + t.t0 + r / G) * a.q_s0 + (t.head * G + r % G) * a.q_s1;
@@ -228,14 +268,14 @@ void run_tile(const Args& a, const Task& t, Scratch& s) {
   }
   const int32_t* slots = a.r2t + row[3] * a.r2t_s0;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t row_bytes = D * 4;
+  const int64_t row_bytes = D * int64_t(sizeof(T));
   auto prefetch_block = [&](int64_t k0) {  // the slots are scattered: hide the misses
     const int64_t kn = std::min<int64_t>(KB, n_end - k0);
     for (int64_t n = 0; n < kn; n++) {
       const int64_t off = int64_t(slots[k0 + n]) * a.kv_s0 + t.head * D;
       for (int64_t b = 0; b < row_bytes; b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(a.k + off) + b);
-        __builtin_prefetch(reinterpret_cast<const char*>(a.v + off) + b);
+        __builtin_prefetch(reinterpret_cast<const char*>(k + off) + b);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + off) + b);
       }
     }
   };
@@ -244,8 +284,8 @@ void run_tile(const Args& a, const Task& t, Scratch& s) {
     const int64_t kn = std::min<int64_t>(KB, n_end - k0);
     for (int64_t n = 0; n < kn; n++) {
       const int64_t off = int64_t(slots[k0 + n]) * a.kv_s0 + t.head * D;
-      s.krow[n] = a.k + off;
-      s.vrow[n] = a.v + off;
+      s.krow[n] = fp32_row(k + off, s.kb, n, D);
+      s.vrow[n] = fp32_row(v + off, s.vb, n, D);
     }
     if (k0 + KB < n_end) prefetch_block(k0 + KB);
     float* st = s.st.data();
@@ -296,19 +336,23 @@ void run_tile(const Args& a, const Task& t, Scratch& s) {
 }  // namespace
 
 // q [T, H, D] float32 (head_dim contiguous; token and head strides free: q may be a view of
-// the fused qk projection); k_buffer, v_buffer [S, Hkv, D] float32 contiguous (one layer of
-// the pool, already holding this forward's new rows); req_to_token [R, C] int32; table [n, 4]
-// int64, one row per request with new tokens: (first row in q, prefix length, new tokens,
-// req pool index). Request i's new rows are q[first : first + new], at positions prefix ..
-// prefix + new - 1, attending causally over its KV slots req_to_token[pool, : prefix + new].
+// the fused qk projection); k_buffer, v_buffer [S, Hkv, D] contiguous, both float32 or both
+// bfloat16 (one layer of the pool, already holding this forward's new rows); req_to_token
+// [R, C] int32; table [n, 4] int64, one row per request with new tokens: (first row in q,
+// prefix length, new tokens, req pool index). Request i's new rows are
+// q[first : first + new], at positions prefix .. prefix + new - 1, attending causally over its
+// KV slots req_to_token[pool, : prefix + new].
 // Returns out [T, H, D]; rows of q no request owns are left unwritten.
 at::Tensor extend_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer,
                             at::Tensor req_to_token, at::Tensor table, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q: [T, H, D] float32");
   TORCH_CHECK(q.stride(2) == 1, "q: head_dim must be contiguous");
-  TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.scalar_type() == at::kFloat &&
-                  v_buffer.scalar_type() == at::kFloat,
-              "K/V buffers: [S, Hkv, D] float32");
+  const auto kv_type = k_buffer.scalar_type();
+  TORCH_CHECK(v_buffer.scalar_type() == kv_type, "K/V buffers: one dtype, but k_buffer is ",
+              kv_type, " and v_buffer ", v_buffer.scalar_type());
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16,
+              "K/V buffers: float32 or bfloat16, not ", kv_type);
+  TORCH_CHECK(k_buffer.dim() == 3, "K/V buffers: [S, Hkv, D]");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() &&
                   k_buffer.sizes() == v_buffer.sizes(),
               "K/V buffers: contiguous, same shape");
@@ -352,15 +396,17 @@ at::Tensor extend_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buff
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& x, const Task& y) { return x.cost > y.cost; });
   auto out = at::empty({T, H, D}, q.options());
-  Args a{q.data_ptr<float>(), q.stride(0), q.stride(1), k_buffer.data_ptr<float>(),
-         v_buffer.data_ptr<float>(), Hkv * D, r2t, r2t_s0, tp, out.data_ptr<float>(), H, G, D,
+  Args a{q.data_ptr<float>(), q.stride(0), q.stride(1), k_buffer.data_ptr(),
+         v_buffer.data_ptr(), Hkv * D, r2t, r2t_s0, tp, out.data_ptr<float>(), H, G, D,
          static_cast<float>(scale * 1.4426950408889634)};
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size());
+  const bool bf16 = kv_type == at::kBFloat16;
   // one chunk per thread of torch's pool; each thread then pulls tasks off a shared counter
   at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t, int64_t) {
     Scratch s;
-    for (int64_t i = next++; i < (int64_t)tasks.size(); i = next++) run_tile(a, tasks[i], s);
+    for (int64_t i = next++; i < (int64_t)tasks.size(); i = next++)
+      bf16 ? run_tile<uint16_t>(a, tasks[i], s) : run_tile<float>(a, tasks[i], s);
   });
   return out;
 }

@@ -8,7 +8,9 @@
 //   rms_norm           out = x * rsqrt(mean(x^2) + eps) * w
 //   add_rms_norm_      residual += delta (in place); out = rms_norm(residual)
 //   rope_store_kv      q and k of the fused qkv projection rotated (neox, rotate-half); q
-//                      returned, k and v written into the KV pool rows of the new tokens
+//                      returned, k and v written into the KV pool rows of the new tokens (an
+//                      fp32 pool, or a bf16 one: `--kv-cache-dtype bfloat16`, rounded as torch
+//                      rounds)
 //   silu_mul           silu(gate) * up of the fused gate_up projection
 // Each result is bit-identical to the torch operators it replaces (the references in
 // fused_ops.py), so the fused model's greedy output is the unfused one's: the arithmetic is
@@ -41,6 +43,8 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kMaxHeadDim = 512;  // the attention kernels' limit too
 
 #if defined(__AVX512F__)
 constexpr int64_t W = 16;
@@ -302,9 +306,27 @@ void check_slots(const index_t* loc, int64_t n, int64_t num_slots) {
   }
 }
 
-template <typename index_t>
+// a pool row's K and V as the pool stores them: fp32 as computed, or bf16 rounded to nearest
+// even (c10::BFloat16's conversion, the same bits as torch's .to(torch.bfloat16))
+inline void store_head(const float* x, const float* c, const float* s, float* out, int64_t half) {
+  rotate_head(x, c, s, out, half);
+}
+inline void store_head(const float* x, const float* c, const float* s, at::BFloat16* out,
+                       int64_t half) {
+  alignas(64) float rotated[kMaxHeadDim];
+  rotate_head(x, c, s, rotated, half);
+  for (int64_t j = 0; j < 2 * half; ++j) out[j] = at::BFloat16(rotated[j]);
+}
+inline void store_row(const float* x, float* out, int64_t n) {
+  std::memcpy(out, x, n * sizeof(float));
+}
+inline void store_row(const float* x, at::BFloat16* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = at::BFloat16(x[j]);
+}
+
+template <typename index_t, typename kv_t>
 void rope_store_rows(const float* qkv, int64_t qkv_stride, const float* cos, const float* sin,
-                     const index_t* loc, float* q, float* kbuf, float* vbuf, int64_t tokens,
+                     const index_t* loc, float* q, kv_t* kbuf, kv_t* vbuf, int64_t tokens,
                      int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t half = dim / 2, kv_row = kv_heads * dim;
   at::parallel_for(0, tokens, grain_rows((heads + 2 * kv_heads) * dim), [&](int64_t b, int64_t e) {
@@ -317,11 +339,31 @@ void rope_store_rows(const float* qkv, int64_t qkv_stride, const float* cos, con
       }
       const int64_t slot = static_cast<int64_t>(loc[t]);
       for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate_head(row + (heads + h) * dim, c, s, kbuf + slot * kv_row + h * dim, half);
+        store_head(row + (heads + h) * dim, c, s, kbuf + slot * kv_row + h * dim, half);
       }
-      std::memcpy(vbuf + slot * kv_row, row + (heads + kv_heads) * dim, kv_row * sizeof(float));
+      store_row(row + (heads + kv_heads) * dim, vbuf + slot * kv_row, kv_row);
     }
   });
+}
+
+template <typename kv_t>
+void rope_store_typed(const torch::Tensor& qkv, const float* cp, const float* sp,
+                      torch::Tensor& k_buffer, torch::Tensor& v_buffer, const torch::Tensor& loc,
+                      float* q, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim) {
+  kv_t* kp = k_buffer.data_ptr<kv_t>();
+  kv_t* vp = v_buffer.data_ptr<kv_t>();
+  const int64_t slots = k_buffer.size(0);
+  if (loc.scalar_type() == torch::kInt64) {
+    const int64_t* lp = loc.data_ptr<int64_t>();
+    check_slots(lp, tokens, slots);
+    rope_store_rows(qkv.data_ptr<float>(), qkv.stride(0), cp, sp, lp, q, kp, vp, tokens, heads,
+                    kv_heads, dim);
+  } else {
+    const int32_t* lp = loc.data_ptr<int32_t>();
+    check_slots(lp, tokens, slots);
+    rope_store_rows(qkv.data_ptr<float>(), qkv.stride(0), cp, sp, lp, q, kp, vp, tokens, heads,
+                    kv_heads, dim);
+  }
 }
 
 torch::Tensor rope_store_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
@@ -332,13 +374,16 @@ torch::Tensor rope_store_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
   const int64_t tokens = qkv.size(0);
   TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.size(1) == kv_heads,
               "k_buffer: [slots, kv_heads, head_dim] is expected");
-  const int64_t dim = k_buffer.size(2), slots = k_buffer.size(0);
-  TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
+  const int64_t dim = k_buffer.size(2);
+  TORCH_CHECK(dim % 2 == 0 && dim <= kMaxHeadDim, "head_dim must be even, at most ", kMaxHeadDim);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv: [T, (heads + 2 kv_heads) D]");
+  const auto kv_type = k_buffer.scalar_type();
   for (const auto* b : {&k_buffer, &v_buffer}) {
-    TORCH_CHECK(b->scalar_type() == torch::kFloat32 && b->is_contiguous() &&
+    TORCH_CHECK((kv_type == torch::kFloat32 || kv_type == torch::kBFloat16) &&
+                    b->scalar_type() == kv_type && b->is_contiguous() &&
                     b->sizes() == k_buffer.sizes() && b->device().is_cpu(),
-                "k_buffer, v_buffer: contiguous float32 CPU pools of one shape");
+                "k_buffer, v_buffer: contiguous CPU pools of one shape, both float32 or both "
+                "bfloat16");
   }
   for (const auto* t : {&cos, &sin}) {
     TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
@@ -351,19 +396,12 @@ torch::Tensor rope_store_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
   auto q = torch::empty({tokens, heads, dim}, qkv.options());
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* kp = k_buffer.data_ptr<float>();
-  float* vp = v_buffer.data_ptr<float>();
-  if (loc.scalar_type() == torch::kInt64) {
-    const int64_t* lp = loc.data_ptr<int64_t>();
-    check_slots(lp, tokens, slots);
-    rope_store_rows(qkv.data_ptr<float>(), qkv.stride(0), cp, sp, lp, q.data_ptr<float>(), kp,
-                    vp, tokens, heads, kv_heads, dim);
-  } else {
-    const int32_t* lp = loc.data_ptr<int32_t>();
-    check_slots(lp, tokens, slots);
-    rope_store_rows(qkv.data_ptr<float>(), qkv.stride(0), cp, sp, lp, q.data_ptr<float>(), kp,
-                    vp, tokens, heads, kv_heads, dim);
-  }
+  if (kv_type == torch::kFloat32)
+    rope_store_typed<float>(qkv, cp, sp, k_buffer, v_buffer, loc, q.data_ptr<float>(), tokens,
+                            heads, kv_heads, dim);
+  else
+    rope_store_typed<at::BFloat16>(qkv, cp, sp, k_buffer, v_buffer, loc, q.data_ptr<float>(),
+                                   tokens, heads, kv_heads, dim);
   return q;
 }
 

@@ -113,7 +113,8 @@ class FusedOps:
 
     def rope_store_kv(self, qkv, cos, sin, k_buffer, v_buffer, loc, num_heads: int,
                       num_kv_heads: int) -> torch.Tensor:
-        """rope_store_kv_reference (fp32, contiguous pools, int32 or int64 slots)."""
+        """rope_store_kv_reference (fp32 rows; contiguous fp32 or bf16 pools, int32 or int64
+        slots)."""
         return self.module.rope_store_kv(qkv, cos, sin, k_buffer, v_buffer, loc, num_heads,
                                          num_kv_heads)
 

@@ -263,13 +263,17 @@ def _reference(q, k, v, rows, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-def _run_kernel(mod, q, k, v, rows, scale=0.3):
+def _slot_table(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's slots [B, W] (padding past lens: slot 0) and lens [B] for `rows`."""
     width = max(len(r) for r in rows)
-    slots = torch.zeros(len(rows), width + 3, dtype=torch.int64)  # padding past lens: slot 0
+    slots = torch.zeros(len(rows), width + 3, dtype=torch.int64)
     for b, r in enumerate(rows):
         slots[b, : len(r)] = r
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    out, lse = mod.decode_attention(q, k, v, slots, lens, scale)
+    return slots, torch.tensor([len(r) for r in rows], dtype=torch.int64)
+
+
+def _run_kernel(mod, q, k, v, rows, scale=0.3):
+    out, lse = mod.decode_attention(q, k, v, *_slot_table(rows), scale)
     expected, expected_lse = _reference(q, k, v, rows, scale)
     assert not out.isnan().any(), "NaN: a read outside the sequence's rows"
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
@@ -471,3 +475,71 @@ def test_decode_kernel_result_does_not_depend_on_threads_or_batch(isa_kernel):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+# ----------------------------------- a bfloat16 KV pool for fp32 models (--kv-cache-dtype)
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "kv_heads,rows_per_head,head_dim,lens",
+    [
+        (3, 3, 64, [1, 7, 16, 33, 280]),  # SmolLM2's decode rows (GQA)
+        (2, 4, 40, [1, 17, 300]),  # AVX-512: the rows end in a half vector
+        (2, 1, 72, [5, 130]),
+        (2, 27, 72, [1, 17, 300]),  # from 24 rows a kv head: K transposed, scores as a GEMM
+        (2, 64, 64, [300]),  # from 32 rows a kv head: the rows in the lanes
+        (1, 100, 40, [1100]),  # ... over three chunks, a partial row vector, a short row
+        (2, 4, 64, [3001]),  # one long sequence split into chunks, merged
+    ],
+    ids=["smollm2", "tail-40", "tail-72", "gemm", "lanes", "lanes-chunks", "long"],
+)
+def test_decode_kernel_reads_a_bf16_pool_exactly(isa_kernel, kv_heads, rows_per_head, head_dim,
+                                                 lens):
+    # bf16 -> fp32 is exact and the arithmetic is the same: the results over a bf16 pool are
+    # those over an fp32 pool of the same values, bit for bit. Every used row is followed by a
+    # NaN row (and padding slot 0 is NaN): a read past a row's end or a short row shows
+    gen = torch.Generator().manual_seed(head_dim + rows_per_head)
+    rows = [torch.randperm(max(lens) + 50, generator=gen)[:n] * 2 + 1 for n in lens]
+    k, v = _poisoned_pool(rows, kv_heads, head_dim, seed=head_dim)
+    k, v = k.bfloat16(), v.bfloat16()
+    q = torch.randn(len(lens), kv_heads, rows_per_head, head_dim, generator=gen)
+    slots, lens_t = _slot_table(rows)
+    out, lse = isa_kernel.decode_attention(q, k, v, slots, lens_t, 0.3)
+    assert out.dtype == lse.dtype == torch.float32
+    assert not out.isnan().any(), "NaN: a read outside the sequence's rows"
+    expected, expected_lse = isa_kernel.decode_attention(q, k.float(), v.float(), slots, lens_t,
+                                                         0.3)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    _run_kernel(isa_kernel, q, k.float(), v.float(), rows)  # (and that is the attention)
+
+
+@pytest.mark.heavy
+def test_decode_kernel_rejects_mixed_or_other_pool_dtypes(isa_kernel):
+    q = torch.randn(1, 2, 2, 16)
+    k = torch.randn(10, 2, 16)
+    slots, lens = torch.tensor([[3, 4]]), torch.tensor([2])
+    with pytest.raises(RuntimeError, match="one dtype"):
+        isa_kernel.decode_attention(q, k.bfloat16(), k, slots, lens, 0.25)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        isa_kernel.decode_attention(q, k.half(), k.half(), slots, lens, 0.25)
+
+
+@pytest.mark.heavy
+def test_decode_attention_cpu_takes_the_kernel_over_a_bf16_pool(decode_kernel, monkeypatch):
+    # an fp32 model's queries over a bf16 pool, shared prefixes included: the kernel (torch's
+    # path would fail), matching the fp32 reference over the pool's values
+    lens = [60, 70, 40, 120, 101, 150, 80, 90]
+    b = random_attention_batch(lens, [1] * len(lens), 9, 3, 64, mode=ForwardMode.DECODE,
+                               seed=60)
+    _share(b, 0, [1, 2], 40)
+    _share(b, 3, [4, 5], 100)
+    k, v = (x.bfloat16() for x in _stored(b))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("torch's path ran, not the kernel")
+
+    monkeypatch.setattr(decode_kernel, "_attend", fail)
+    out = decode_attention_cpu(b.q, k, v, b.meta, SCALE, use_kernel=True)
+    monkeypatch.undo()
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    expected = decode_attention_reference(b.q, k.float(), v.float(), b.meta, SCALE)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

@@ -5,6 +5,7 @@ cover what the kernel's tiling has edges for: cached prefixes crossing its 128-k
 several requests per call, new rows split over several tiles (more than 192 query rows),
 single-token extends (speculative verification), grouped-query heads, shared prefixes (radix
 hits), and q as the strided view the model passes (q and k come out of one rotated tensor).
+A bf16 pool under fp32 q (`--kv-cache-dtype bfloat16`) gives bitwise the fp32 pool's result.
 """
 
 from __future__ import annotations
@@ -142,18 +143,101 @@ def test_kernel_rejects_rows_outside_q(kernel):
         kernel.extend_attention(b.q, b.k_buffer, b.v_buffer, b.meta.req_to_token, table, SCALE)
 
 
-def test_the_avx2_build_matches_reference(kernel):
-    """The AVX2 code (8-float vectors, other block shapes) on an AVX-512 machine too."""
+@pytest.fixture(scope="module")
+def avx2(kernel):
+    """The AVX2 build (8-float vectors, other block shapes), on an AVX-512 machine too."""
     from plait.kernels.cpp_build import load_extension
 
     if cpu_extend.kernel_flags()[1] == 8:
-        avx2 = kernel  # this machine's build is the AVX2 one: covered above
-    else:
-        avx2 = load_extension(
-            "plait_extend_attn_cpu", cpu_extend._KERNEL_SOURCE,
-            ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"],
-        )
-    for group, head_dim in ((1, 8), (3, 24), (4, 64)):
+        return kernel  # this machine's build is the AVX2 one
+    return load_extension(
+        "plait_extend_attn_cpu", cpu_extend._KERNEL_SOURCE,
+        ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"],
+    )
+
+
+AVX2_SHAPES = ((1, 8), (3, 24), (4, 64))  # (group, head_dim)
+
+
+def test_the_avx2_build_matches_reference(avx2):
+    for group, head_dim in AVX2_SHAPES:
         for prefix_lens, extend_lens in CASES.values():
             b = random_attention_batch(prefix_lens, extend_lens, 2 * group, 2, head_dim, seed=1)
             _check(avx2, b)
+
+
+# --- a bf16 pool (`--kv-cache-dtype bfloat16` for an fp32 model): q, math and out stay fp32 ---
+# The kernel widens each bf16 K/V row to fp32 exactly and then runs the fp32 code in the same
+# order, so its output equals, bit for bit, its output over an fp32 pool of the same values.
+# The pools stay poisoned (NaN is NaN in bf16): a read outside a request's KV still shows.
+
+
+def _pools(batch):
+    """The bf16 pool holding the new rows (rounded to bf16 as they are stored) and the fp32
+    pool of the same values."""
+    k, v = batch.k_buffer.to(torch.bfloat16), batch.v_buffer.to(torch.bfloat16)
+    store_kv_reference(k, v, batch.meta.out_cache_loc, batch.k_new, batch.v_new)
+    return k, v, k.float(), v.float()
+
+
+def _check_bf16_pool(kernel, batch, q=None):
+    k, v, k32, v32 = _pools(batch)
+    q = batch.q if q is None else q
+    rows, table = batch.meta.req_to_token, plan_extend(batch.meta).table
+    out = kernel.extend_attention(q, k, v, rows, table, SCALE)
+    assert out.dtype == torch.float32
+    assert not out.isnan().any(), "NaN: a read outside the request's KV"
+    assert torch.equal(out, kernel.extend_attention(q, k32, v32, rows, table, SCALE))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_pool_equals_the_fp32_pool_of_its_values(kernel, case, group):
+    prefix_lens, extend_lens = CASES[case]
+    b = random_attention_batch(prefix_lens, extend_lens, 2 * group, 2, 16, seed=group)
+    _check_bf16_pool(kernel, b)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_bf16_pool_head_dims(kernel, head_dim):
+    if not _width_ok(head_dim):
+        pytest.skip(f"head_dim {head_dim} is not a multiple of this build's vector width")
+    b = random_attention_batch([0, 60, 200], [70, 9, 33], 9, 3, head_dim, seed=head_dim)
+    _check_bf16_pool(kernel, b)
+
+
+def test_bf16_pool_over_a_shared_prefix_with_q_as_a_strided_view(kernel):
+    b = random_attention_batch([300, 300, 300, 280], [60, 1, 57, 9], 9, 3, 64, seed=3)
+    _share(b, 0, [1, 2, 3], 250)
+    qk = torch.randn(b.q.shape[0], 12, 64)
+    qk[:, :9] = b.q
+    _check_bf16_pool(kernel, b, qk[:, :9])
+
+
+def test_the_avx2_build_over_a_bf16_pool(avx2):
+    for group, head_dim in AVX2_SHAPES:
+        for prefix_lens, extend_lens in CASES.values():
+            b = random_attention_batch(prefix_lens, extend_lens, 2 * group, 2, head_dim, seed=1)
+            _check_bf16_pool(avx2, b)
+
+
+def test_kernel_rejects_mixed_or_other_pool_dtypes(kernel):
+    b = random_attention_batch([10], [5], 4, 2, 16, seed=7)
+    k, v, k32, v32 = _pools(b)
+    rows, table = b.meta.req_to_token, plan_extend(b.meta).table
+    for kb, vb in ((k, v32), (k32, v)):
+        with pytest.raises(RuntimeError, match="one dtype"):
+            kernel.extend_attention(b.q, kb, vb, rows, table, SCALE)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernel.extend_attention(b.q, k.half(), v.half(), rows, table, SCALE)
+
+
+def test_the_backend_path_takes_the_kernel_over_a_bf16_pool(kernel, monkeypatch):
+    b = random_attention_batch([100, 5], [20, 30], 6, 2, 16, seed=9)
+    k, v, k32, v32 = _pools(b)
+    monkeypatch.setattr(cpu_extend.F, "scaled_dot_product_attention", None)  # torch's path fails
+    out = extend_attention_cpu(b.q, k, v, b.meta, SCALE, use_kernel=True)
+    monkeypatch.undo()
+    assert out.dtype == torch.float32
+    expected = extend_attention_reference(b.q, k32, v32, b.meta, SCALE)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

@@ -120,6 +120,42 @@ def test_rope_store_kv_matches_reference(ops, dim, heads, kv_heads, tokens, loc_
         assert torch.equal(got.isnan(), exp.isnan())
 
 
+@pytest.mark.parametrize("dim", [6, 64, 72])
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_rope_store_kv_into_a_bf16_pool_rounds_as_torch_does(ops, dim, tokens):
+    # --kv-cache-dtype bfloat16: the fp32 rows rotated as before, stored rounded to bf16 the way
+    # torch's .to(torch.bfloat16) rounds (to nearest even), NaN rows untouched
+    gen = torch.Generator().manual_seed(dim + tokens)
+    heads, kv_heads = 9, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3
+    angles = torch.rand(tokens, 1, dim // 2, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    slots = tokens + 9
+    loc = torch.randperm(slots, generator=gen)[:tokens]
+    k_got, v_got = (t.bfloat16() for t in _pools(slots, kv_heads, dim))
+    k_exp, v_exp = (t.bfloat16() for t in _pools(slots, kv_heads, dim))
+    q = ops.rope_store_kv(qkv, cos, sin, k_got, v_got, loc, heads, kv_heads)
+    q_exp = fo.rope_store_kv_reference(qkv, cos, sin, k_exp, v_exp, loc, heads, kv_heads)
+    assert q.dtype == torch.float32 and torch.equal(q, q_exp)
+    for got, exp in ((k_got, k_exp), (v_got, v_exp)):
+        assert torch.equal(got.view(torch.int16), exp.view(torch.int16))  # NaN rows included
+    # the stored values are not just fp32 truncated: some round up
+    k32, _ = _pools(slots, kv_heads, dim)
+    fo.rope_store_kv_reference(qkv, cos, sin, k32, torch.empty_like(k32), loc, heads, kv_heads)
+    truncated = (k32[loc].view(torch.int32) >> 16).to(torch.int16)
+    assert not torch.equal(k_got[loc].view(torch.int16), truncated)
+
+
+def test_rope_store_kv_refuses_pools_of_two_dtypes(ops):
+    qkv = torch.randn(2, 3 * 16)
+    cos = sin = torch.ones(2, 1, 8)
+    k, v = torch.zeros(10, 1, 16, dtype=torch.bfloat16), torch.zeros(10, 1, 16)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        ops.rope_store_kv(qkv, cos, sin, k, v, torch.tensor([1, 2]), 1, 1)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        ops.rope_store_kv(qkv, cos, sin, k.half(), v.half(), torch.tensor([1, 2]), 1, 1)
+
+
 def test_rope_store_kv_rejects_slots_outside_the_pool(ops):
     qkv = torch.randn(2, 3 * 16)
     cos = sin = torch.ones(2, 1, 8)
