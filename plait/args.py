@@ -22,6 +22,7 @@ from plait.registry import (
 )
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16")  # bf16: SGLang's spelling
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GRAMMAR_ISOLATIONS = ("thread", "process")
 # `plait serve` reads the API key from here when --api-key is not given (plait.Runtime uses it)
@@ -79,6 +80,13 @@ class ServerArgs:
         "request priority); every endpoint but /health then needs one of them (or --api-key)",
     )
     dtype: str = _opt("auto", "weight/activation dtype (auto: float32 on CPU, bfloat16 on CUDA)", DTYPES)
+    kv_cache_dtype: str = _opt(
+        "auto", "the KV cache's dtype. auto: the model's (--dtype). bfloat16 (or bf16) beside "
+        "float32 weights on the CPU: half the KV bytes, so twice the tokens in the same memory "
+        "and half the bytes each decode step's attention reads; q, the attention arithmetic "
+        "and its output stay float32 (K and V are rounded to bf16 as they are stored: outputs "
+        "can differ from float32 KV's in later tokens)", KV_CACHE_DTYPES,
+    )
     device: str = _opt("auto", "cpu, cuda, or auto")
     context_length: int | None = _opt(None, "maximum context length (default: from the model config)")
     max_running_requests: int = _opt(64, "maximum requests decoded together")

@@ -113,11 +113,12 @@ class TorchAttnBackend(AttentionBackend):
         out, lse = kernel.decode_attention(q [B, Hkv, G, D], k_buffer[layer], v_buffer[layer],
         slots, lens, scaling) over each request's KV after its shared prefix, then for each
         (members, prefix slots [1, P], prefix lens [1]) in groups the members' rows against the
-        prefix, merged in (decode_attention_cpu's steps). Else None."""
+        prefix, merged in (decode_attention_cpu's steps). Else None. (An fp32 forward's pool:
+        fp32, or bf16 with --kv-cache-dtype bfloat16.)"""
         if not (
             self.use_cpu_kernel
             and self.head_dim % 8 == 0
-            and kv_pool.k_buffer[0].dtype == torch.float32
+            and kv_pool.k_buffer[0].dtype in (torch.float32, torch.bfloat16)
             and kv_pool.k_buffer[0].is_contiguous()
             and kv_pool.v_buffer[0].is_contiguous()
         ):

@@ -86,6 +86,7 @@ class ModelRunner:
         self.device = self.tp.device if self.tp.size > 1 else _resolve_device(args.device)
         self.config = ModelConfig.from_dir(model_path)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device)
         # rank 0 of a TP group: hands each forward's inputs to the other ranks before running
         self.forward_hook: Callable[[ForwardInputs, list[int]], None] | None = None
         self.sharding = ModelSharding(self.config, self.tp) if self.tp.size > 1 else None
@@ -97,6 +98,11 @@ class ModelRunner:
             # no sliding-window attention kernel: cap the context where full attention is exact
             self.context_length = cfg.sliding_window
         self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device)
+        if self.kv_dtype != self.dtype and self.attn_backend_name != "torch":
+            raise ValueError(
+                f"kv_cache_dtype: {args.kv_cache_dtype} beside {self.dtype} weights needs the "
+                f"torch attention backend (got {self.attn_backend_name})"
+            )
         attn = create_attention_backend(
             self.attn_backend_name,
             local.num_attention_heads,
@@ -120,7 +126,7 @@ class ModelRunner:
         pool_tokens = self._pool_size()
         self.kv_pool = KVPool(
             pool_tokens, cfg.num_hidden_layers, local.num_key_value_heads, cfg.head_dim,
-            self.dtype, self.device,
+            self.kv_dtype, self.device,
             prefault_bytes=min(KV_PREFAULT_BYTES, pool_tokens * self._kv_bytes_per_token() // 8),
             huge_pages=not args.disable_huge_pages,
         )
@@ -132,8 +138,9 @@ class ModelRunner:
         self.host_load = HostLoad()  # the tuner's load level: other processes' cores
         self.perf_clock: Callable[[], float] = time.perf_counter  # times the tuned forwards
         logger.info(
-            "model %s (%s, %s) on %s; KV pool %d tokens, attention %s%s",
+            "model %s (%s, %s) on %s; KV pool %d tokens%s, attention %s%s",
             model_path, cfg.architecture, self.dtype, self.device, pool_tokens,
+            f" ({self.kv_dtype})" if self.kv_dtype != self.dtype else "",
             self.attn_backend_name,
             f", tensor parallel rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "",
         )
@@ -235,7 +242,8 @@ class ModelRunner:
     def _kv_bytes_per_token(self) -> int:
         cfg = self.config
         kv_heads = self.sharding.num_kv_heads if self.sharding else cfg.num_key_value_heads
-        return KVPool.bytes_per_token(cfg.num_hidden_layers, kv_heads, cfg.head_dim, self.dtype)
+        return KVPool.bytes_per_token(cfg.num_hidden_layers, kv_heads, cfg.head_dim,
+                                      self.kv_dtype)
 
     def _pool_size(self) -> int:
         if self.args.max_total_tokens:
@@ -401,6 +409,22 @@ def available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype for `--kv-cache-dtype name` beside weights of `dtype`: the model's
+    (auto), or bf16, which beside other weights than bf16 the CPU's attention paths alone read
+    (each converts K and V to q's dtype as it loads them)."""
+    if name == "auto":
+        return dtype
+    kv = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[name]
+    if kv != dtype and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            f"kv_cache_dtype: {name} beside {str(dtype).removeprefix('torch.')} weights runs on "
+            f"the CPU with float32 weights only (got device {device.type}); on a GPU, "
+            "--dtype bfloat16 gives a bf16 KV cache"
+        )
+    return kv
 
 
 def _resolve_device(name: str) -> torch.device:
