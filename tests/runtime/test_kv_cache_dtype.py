@@ -48,7 +48,9 @@ def _requests(prompts):
 
 
 @pytest.mark.model
-def test_bf16_kv_through_the_kernels_matches_torchs_path(make_scheduler, llama_ref, monkeypatch):
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_bf16_kv_through_the_kernels_matches_torchs_path(make_scheduler, llama_ref, monkeypatch,
+                                                         quantization):
     if cpu_attention.kernel_isa() is None or cpu_extend.kernel_flags() is None:
         pytest.skip("the CPU kernels need AVX2")
     assert cpu_attention.start_decode_kernel(block=True), "the decode kernel failed to build"
@@ -62,14 +64,16 @@ def test_bf16_kv_through_the_kernels_matches_torchs_path(make_scheduler, llama_r
     prompts, ref = llama_ref
     reqs = _requests(prompts)
 
-    ids, info, counters = run(make_scheduler, 0, reqs, kv_cache_dtype="bfloat16")
+    ids, info, counters = run(make_scheduler, 0, reqs, kv_cache_dtype="bfloat16",
+                              quantization=quantization)
     assert counters["decode_forwards"] > 0
     assert decode.calls + len(cpp_runs) > 0 and extend.calls > 0, "a kernel was not used"
     monkeypatch.undo()
     # torch's path: gathers, converts to fp32, attends (the same bf16 values in the pool)
     torch_ids, torch_info, _ = run(
-        make_scheduler, 0, reqs, kv_cache_dtype="bfloat16", disable_cpu_attention_kernel=True,
-        disable_cpu_extend_kernel=True, disable_cpu_fused_ops=True,
+        make_scheduler, 0, reqs, kv_cache_dtype="bfloat16", quantization=quantization,
+        disable_cpu_attention_kernel=True, disable_cpu_extend_kernel=True,
+        disable_cpu_fused_ops=True,
     )
     # (the paths' fp32 sums differ in their last bits; where such a K or V element lies next to
     # a bf16 rounding boundary, the two round it 2^-8 apart, so logprobs agree to ~1e-4, not to
@@ -82,7 +86,9 @@ def test_bf16_kv_through_the_kernels_matches_torchs_path(make_scheduler, llama_r
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3, f"prompt {i}: logprobs"
         agree += ids[rid] == ref_ids
     # against transformers' fp32 KV: bf16's rounding may move a near tie, not the outputs
-    assert agree >= len(ref) * 3 // 4, f"only {agree} of {len(ref)} match fp32 KV's outputs"
+    # (int4's own rounding moves more: checked in test_quantization.py, not here)
+    if quantization == "none":
+        assert agree >= len(ref) * 3 // 4, f"only {agree} of {len(ref)} match fp32 KV's outputs"
 
 
 @pytest.mark.model
