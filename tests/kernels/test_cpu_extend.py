@@ -55,6 +55,35 @@ def _check(kernel, batch, q=None):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
+# --- a bf16 pool (`--kv-cache-dtype bfloat16` for an fp32 model): q, math and out stay fp32 ---
+# The kernel widens each bf16 K/V row to fp32 exactly and then runs the fp32 code in the same
+# order, so its output equals, bit for bit, its output over an fp32 pool of the same values.
+# The pools stay poisoned (NaN is NaN in bf16): a read outside a request's KV still shows.
+
+
+def _pools(batch):
+    """The bf16 pool holding the new rows (rounded to bf16 as they are stored) and the fp32
+    pool of the same values."""
+    k, v = batch.k_buffer.to(torch.bfloat16), batch.v_buffer.to(torch.bfloat16)
+    store_kv_reference(k, v, batch.meta.out_cache_loc, batch.k_new, batch.v_new)
+    return k, v, k.float(), v.float()
+
+
+def _check_bf16_pool(kernel, batch, q=None):
+    k, v, k32, v32 = _pools(batch)
+    q = batch.q if q is None else q
+    rows, table = batch.meta.req_to_token, plan_extend(batch.meta).table
+    out = kernel.extend_attention(q, k, v, rows, table, SCALE)
+    assert out.dtype == torch.float32
+    assert not out.isnan().any(), "NaN: a read outside the request's KV"
+    assert torch.equal(out, kernel.extend_attention(q, k32, v32, rows, table, SCALE))
+
+
+# each kernel test runs on an fp32 pool (against the reference) and on a bf16 one (against the
+# fp32 pool of its values)
+CHECKS = {"fp32": _check, "bf16": _check_bf16_pool}
+
+
 def _width_ok(head_dim: int) -> bool:
     return head_dim % cpu_extend._kernel_width == 0
 
@@ -71,37 +100,41 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("pool", list(CHECKS))
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_matches_reference(kernel, case, group):
+def test_kernel_matches_reference(kernel, case, group, pool):
     prefix_lens, extend_lens = CASES[case]
     b = random_attention_batch(prefix_lens, extend_lens, 2 * group, 2, 16, seed=group)
-    _check(kernel, b)
+    CHECKS[pool](kernel, b)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_kernel_head_dims(kernel, head_dim):
+@pytest.mark.parametrize("pool", list(CHECKS))
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_kernel_head_dims(kernel, head_dim, pool):
     if not _width_ok(head_dim):
         pytest.skip(f"head_dim {head_dim} is not a multiple of this build's vector width")
     b = random_attention_batch([0, 60, 200], [70, 9, 33], 9, 3, head_dim, seed=head_dim)
-    _check(kernel, b)
+    CHECKS[pool](kernel, b)
 
 
-def test_kernel_over_a_shared_prefix(kernel):
+@pytest.mark.parametrize("pool", list(CHECKS))
+def test_kernel_over_a_shared_prefix(kernel, pool):
     # the judge's shape: requests whose KV starts with the same pool slots (a cached rubric)
     b = random_attention_batch([300, 300, 300, 280], [60, 1, 57, 9], 9, 3, 64, seed=3)
     _share(b, 0, [1, 2, 3], 250)
-    _check(kernel, b)
+    CHECKS[pool](kernel, b)
 
 
-def test_kernel_reads_q_as_a_strided_view(kernel):
+@pytest.mark.parametrize("pool", list(CHECKS))
+def test_kernel_reads_q_as_a_strided_view(kernel, pool):
     # the model passes q = rotated_qk[:, :H]: token stride (H + Hkv) * D, not H * D
     b = random_attention_batch([40, 0], [25, 30], 6, 2, 32, seed=4)
     qk = torch.randn(b.q.shape[0], 8, 32)
     qk[:, :6] = b.q
     q = qk[:, :6]
     assert not q.is_contiguous()
-    _check(kernel, b, q)
+    CHECKS[pool](kernel, b, q)
 
 
 def test_kernel_leaves_other_dtypes_to_torch(kernel):
@@ -159,66 +192,12 @@ def avx2(kernel):
 AVX2_SHAPES = ((1, 8), (3, 24), (4, 64))  # (group, head_dim)
 
 
-def test_the_avx2_build_matches_reference(avx2):
+@pytest.mark.parametrize("pool", list(CHECKS))
+def test_the_avx2_build_matches_reference(avx2, pool):
     for group, head_dim in AVX2_SHAPES:
         for prefix_lens, extend_lens in CASES.values():
             b = random_attention_batch(prefix_lens, extend_lens, 2 * group, 2, head_dim, seed=1)
-            _check(avx2, b)
-
-
-# --- a bf16 pool (`--kv-cache-dtype bfloat16` for an fp32 model): q, math and out stay fp32 ---
-# The kernel widens each bf16 K/V row to fp32 exactly and then runs the fp32 code in the same
-# order, so its output equals, bit for bit, its output over an fp32 pool of the same values.
-# The pools stay poisoned (NaN is NaN in bf16): a read outside a request's KV still shows.
-
-
-def _pools(batch):
-    """The bf16 pool holding the new rows (rounded to bf16 as they are stored) and the fp32
-    pool of the same values."""
-    k, v = batch.k_buffer.to(torch.bfloat16), batch.v_buffer.to(torch.bfloat16)
-    store_kv_reference(k, v, batch.meta.out_cache_loc, batch.k_new, batch.v_new)
-    return k, v, k.float(), v.float()
-
-
-def _check_bf16_pool(kernel, batch, q=None):
-    k, v, k32, v32 = _pools(batch)
-    q = batch.q if q is None else q
-    rows, table = batch.meta.req_to_token, plan_extend(batch.meta).table
-    out = kernel.extend_attention(q, k, v, rows, table, SCALE)
-    assert out.dtype == torch.float32
-    assert not out.isnan().any(), "NaN: a read outside the request's KV"
-    assert torch.equal(out, kernel.extend_attention(q, k32, v32, rows, table, SCALE))
-
-
-@pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("case", list(CASES))
-def test_bf16_pool_equals_the_fp32_pool_of_its_values(kernel, case, group):
-    prefix_lens, extend_lens = CASES[case]
-    b = random_attention_batch(prefix_lens, extend_lens, 2 * group, 2, 16, seed=group)
-    _check_bf16_pool(kernel, b)
-
-
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-def test_bf16_pool_head_dims(kernel, head_dim):
-    if not _width_ok(head_dim):
-        pytest.skip(f"head_dim {head_dim} is not a multiple of this build's vector width")
-    b = random_attention_batch([0, 60, 200], [70, 9, 33], 9, 3, head_dim, seed=head_dim)
-    _check_bf16_pool(kernel, b)
-
-
-def test_bf16_pool_over_a_shared_prefix_with_q_as_a_strided_view(kernel):
-    b = random_attention_batch([300, 300, 300, 280], [60, 1, 57, 9], 9, 3, 64, seed=3)
-    _share(b, 0, [1, 2, 3], 250)
-    qk = torch.randn(b.q.shape[0], 12, 64)
-    qk[:, :9] = b.q
-    _check_bf16_pool(kernel, b, qk[:, :9])
-
-
-def test_the_avx2_build_over_a_bf16_pool(avx2):
-    for group, head_dim in AVX2_SHAPES:
-        for prefix_lens, extend_lens in CASES.values():
-            b = random_attention_batch(prefix_lens, extend_lens, 2 * group, 2, head_dim, seed=1)
-            _check_bf16_pool(avx2, b)
+            CHECKS[pool](avx2, b)
 
 
 def test_kernel_rejects_mixed_or_other_pool_dtypes(kernel):
