@@ -14,9 +14,10 @@ What the conversion undoes or rebuilds:
 - llama.cpp's converter reorders the rows of attn_q/attn_k of llama-architecture models, within
   each head, from rotate-half (HF) to interleaved pairs (llama.cpp's rope); the rows are put back;
 - config.json from `<arch>.*` metadata; tied embeddings when there is no `output.weight`;
-- the tokenizer from `tokenizer.ggml.*` (byte-level BPE vocabulary + merges, the pre-tokenizer
-  named by `tokenizer.ggml.pre`, control tokens as special tokens) as a `tokenizers` fast
-  tokenizer, with `tokenizer.chat_template`.
+- the tokenizer from `tokenizer.ggml.*` as a `tokenizers` fast tokenizer, with
+  `tokenizer.chat_template`: byte-level BPE (vocabulary + merges, the pre-tokenizer named by
+  `tokenizer.ggml.pre`) or SentencePiece BPE (pieces + scores, byte fallback); control tokens
+  as special tokens.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ _GLOBAL_TENSORS = {
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
+_SPM_SPACE = "\u2581"  # how a SentencePiece vocabulary spells a space
 
 # Pre-tokenizer split patterns, by tokenizer.ggml.pre. (A pattern with `None` uses the GPT-2
 # regex built into ByteLevel.) The names are those llama.cpp's converter writes.
@@ -341,7 +343,8 @@ def _generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_tokenizer(contents: GGUFContents):  # -> tokenizers.Tokenizer
-    """The fast tokenizer the metadata describes (byte-level BPE only)."""
+    """The fast tokenizer the metadata describes: byte-level BPE ("gpt2") or SentencePiece
+    ("llama")."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -354,10 +357,13 @@ def build_tokenizer(contents: GGUFContents):  # -> tokenizers.Tokenizer
 
     m = contents.metadata
     kind = m.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece_tokenizer(contents)
     if kind != "gpt2":
         raise ValueError(
             f"model_path: GGUF tokenizer model {kind!r} is not supported (supported: gpt2, the "
-            "byte-level BPE of Llama 3, Qwen2, SmolLM...)"
+            "byte-level BPE of Llama 3, Qwen2, SmolLM...; llama, the SentencePiece BPE of "
+            "Llama 2, Mistral 7B v0.1, TinyLlama...)"
         )
     pre = m.get("tokenizer.ggml.pre") or "default"
     if pre not in _PRE_TOKENIZERS:
@@ -404,6 +410,114 @@ def build_tokenizer(contents: GGUFContents):  # -> tokenizers.Tokenizer
     return tokenizer
 
 
+def _sentencepiece_tokenizer(contents: GGUFContents):  # -> tokenizers.Tokenizer
+    """SentencePiece BPE ("llama"), built as transformers builds it from the same file (the
+    oracle the tests hold it to): a BPE whose merges are ranked by the merged piece's score,
+    byte fallback to <0xNN> pieces, spaces written as '▁' with one prepended to the text.
+
+    Where transformers and llama.cpp differ, this follows transformers: '▁' is prepended
+    only at the start of the text (llama.cpp also prepends one after each special token) and
+    not when the text already starts with a space (llama.cpp's "  hi" is '▁▁▁hi', this
+    '▁▁hi'). It departs from transformers, following llama.cpp, where the file says
+    `add_space_prefix` false (transformers ignores the flag) and for a character a vocabulary
+    without byte pieces cannot spell (transformers drops it; this gives the unknown token).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    m = contents.metadata
+    tokens: list[str] = list(_meta(contents, "tokenizer.ggml.tokens"))
+    vocab = {token: i for i, token in enumerate(tokens)}  # a repeated piece: its last id
+    merges = m.get("tokenizer.ggml.merges")
+    if merges is not None:  # a file converted from a tokenizer.json may carry them
+        merges = [tuple(merge.split(" ", 1)) for merge in merges]
+    else:
+        # no scores: all equal, as llama.cpp reads such a file (transformers cannot load it)
+        scores = m.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        merges = _merges_by_score(vocab, dict(zip(tokens, scores)))
+    named = _named_token_ids(m, len(tokens))
+    tokenizer = Tokenizer(models.BPE(
+        vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True,
+        unk_token=tokens[named["unknown"]] if "unknown" in named else None,
+    ))
+    prefix = bool(m.get("tokenizer.ggml.add_space_prefix", True))
+    # split=False: the whole text between special tokens is one word, as SentencePiece sees it
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPM_SPACE, prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:  # the space the encoder prepended
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    types = list(m.get("tokenizer.ggml.token_type") or [])
+    special = {i for i, kind in enumerate(types) if kind in (_TOKEN_CONTROL, _TOKEN_UNKNOWN)}
+    # bos/eos/unk/pad are special (matched whole in text) whatever their type, as in transformers
+    special |= set(named.values())
+    tokenizer.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special)]
+    )
+    tokenizer.add_tokens([
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, kind in enumerate(types)
+        if kind == _TOKEN_USER_DEFINED and i not in special
+    ])
+    tokenizer.post_processor = _bos_eos_processor(contents, tokens)
+    return tokenizer
+
+
+def _merges_by_score(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges that reproduce SentencePiece's choice (merge the adjacent pair whose union is
+    the best-scored piece): every cut of a piece into two vocabulary pieces is a merge, ranked
+    by the piece's score. Equal scores are ordered as transformers orders them (longer left
+    part first, then longer right part, then vocabulary order), for the same ids."""
+    ranked = []
+    for piece, score in scores.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, -len(left), -len(right), left, right))
+    # a stable sort on the first three keys: ties keep vocabulary order
+    ranked.sort(key=lambda r: r[:3])
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _named_token_ids(metadata: dict[str, Any], vocab_size: int) -> dict[str, int]:
+    """bos/eos/unknown/padding -> token id, for those the file names within its vocabulary."""
+    ids = {}
+    for name in ("bos", "eos", "unknown", "padding"):
+        value = metadata.get(f"tokenizer.ggml.{name}_token_id")
+        if value is not None and int(value) < vocab_size:
+            ids[name] = int(value)
+    return ids
+
+
+def _adds_bos(metadata: dict[str, Any]) -> bool:
+    flag = metadata.get("tokenizer.ggml.add_bos_token")
+    if flag is None:  # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary
+        return metadata.get("tokenizer.ggml.model") == "llama"
+    return bool(flag)
+
+
+def _bos_eos_processor(contents: GGUFContents, tokens: list[str]):
+    """BOS/EOS around each sequence, as the file's add_bos_token/add_eos_token say."""
+    from tokenizers import processors
+
+    m = contents.metadata
+    named = _named_token_ids(m, len(tokens))
+    bos = tokens[named["bos"]] if "bos" in named and _adds_bos(m) else None
+    add_eos = m.get("tokenizer.ggml.add_eos_token")
+    eos = tokens[named["eos"]] if "eos" in named and add_eos else None
+    ids = {token: named[name] for name, token in (("bos", bos), ("eos", eos)) if token is not None}
+
+    def sequence(part: str, type_id: int) -> list[str]:
+        return [f"{word}:{type_id}" for word in (bos, f"${part}", eos) if word is not None]
+
+    return processors.TemplateProcessing(
+        single=sequence("A", 0),
+        pair=sequence("A", 0) + sequence("B", 1),
+        special_tokens=list(ids.items()),
+    )
+
+
 def write_tokenizer(contents: GGUFContents, out_dir: Path, *, model_max_length: int) -> None:
     """tokenizer.json and tokenizer_config.json (with the chat template) into `out_dir`."""
     m = contents.metadata
@@ -420,7 +534,7 @@ def write_tokenizer(contents: GGUFContents, out_dir: Path, *, model_max_length: 
         "eos_token": token("eos"),
         "unk_token": token("unknown"),
         "pad_token": token("padding"),
-        "add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": _adds_bos(m),
         "add_eos_token": bool(m.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
