@@ -1,4 +1,4 @@
-"""The one way plait's processes load a checkpoint's tokenizer.
+"""The one way plait's processes load a checkpoint's tokenizer, and encode a text prompt.
 
 `AutoTokenizer.from_pretrained` reads config.json to pick a class, and in transformers 5 that
 imports the model's configuration module, which pulls in torch.distributed and the kernel hub:
@@ -31,3 +31,14 @@ def load_tokenizer(path: str, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A text prompt's token ids as SGLang and vLLM make them: with the special tokens the
+    tokenizer puts around a sequence (Llama's and Mistral's BOS; nothing for SmolLM2 or
+    ChatML test models), unless the text already begins with the BOS token (a chat template's
+    output, or a program that wrote it), so that a prompt never starts with two. Every entry
+    point that takes text (native /generate, /v1/completions, plait.Engine, the language's
+    local encoding for `select`) encodes through here, so their ids agree."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))

@@ -25,6 +25,7 @@ import zmq.asyncio
 from plait.args import ServerArgs
 from plait.errors import RequestError
 from plait.io_struct import InputLimits, ReqInput, ReqState
+from plait.models.tokenizer import encode_prompt
 from plait.messages import (
     AbortReq,
     AsyncMessageReceiver,
@@ -98,9 +99,9 @@ class TokenizerManager:
         if req.input_ids is not None:
             return list(req.input_ids)
         if len(req.text) < INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(req.text, add_special_tokens=False)
+            return encode_prompt(self.tokenizer, req.text)
         # a long prompt takes the tokenizer seconds (it releases the GIL): off the loop
-        return await asyncio.to_thread(self.tokenizer.encode, req.text, add_special_tokens=False)
+        return await asyncio.to_thread(encode_prompt, self.tokenizer, req.text)
 
     def validate(self, ids: list[int], req: ReqInput) -> None:
         """The checks that need the token ids; the fields were checked by normalize()."""

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plait
+from plait.lang.backends.engine import EngineBackend
 from plait.models.gguf import (
     build_tokenizer,
     convert_gguf,
@@ -216,8 +217,8 @@ def test_spm_checkpoint_files(hf_spm, vocabulary, tmp_path):
 @pytest.mark.model
 def test_spm_greedy_output_matches_transformers(hf_spm, vocabulary, tmp_path, monkeypatch):
     """Text prompts through plait's tokenizer and model equal transformers' tokenizer and model
-    from the same GGUF: same prompt ids, same 16 greedy tokens. (plait encodes a text prompt
-    without adding BOS, whatever add_bos_token says: the first prompt writes it.)"""
+    from the same GGUF: same prompt ids (BOS added as transformers adds it, and not a second
+    time to a prompt that writes it), same 16 greedy tokens."""
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(
         hf_spm, tmp_path / "m.gguf", T.Q4_0, tokenizer_metadata=spm_tokenizer_metadata(*vocabulary)
@@ -230,8 +231,10 @@ def test_spm_greedy_output_matches_transformers(hf_spm, vocabulary, tmp_path, mo
         "  Ünïcödé 🤖 and [INST] tokens [/INST]",
         "def fibonacci(number):\n    return",
     ]
-    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    assert prompt_ids[0][0] == tokenizer.bos_token_id
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=not p.startswith("<s>"))
+                  for p in prompts]
+    for ids in prompt_ids:  # one BOS each: added, or written by the first prompt
+        assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
     expected = []
     for ids in prompt_ids:
         out = model.generate(
@@ -245,6 +248,9 @@ def test_spm_greedy_output_matches_transformers(hf_spm, vocabulary, tmp_path, mo
             prompt=prompts, sampling_params={"max_new_tokens": 16, "temperature": 0.0,
                                              "ignore_eos": True},
         )
+        # the language's local encoding (select's token ids) agrees with the server's
+        local = [EngineBackend(engine)._encode(p) for p in prompts]
+    assert local == prompt_ids
     assert [o["output_ids"] for o in outs] == expected
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [len(ids) for ids in prompt_ids]
     assert [o["text"] for o in outs] == [tokenizer.decode(e) for e in expected]

@@ -34,6 +34,7 @@ from plait.lang.backends.base import Backend, GenResult, LogprobOptions
 from plait.lang.chat_template import ChatTemplate
 from plait.lang.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from plait.matching import common_prefix_len
+from plait.models.tokenizer import encode_prompt
 from plait.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ class NativeBackend(Backend):
         return result
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, text)  # as the server encodes the same text
 
     def _with_text(self, entry: list) -> list:
         logprob, token_id = entry[0], entry[1]
