@@ -506,6 +506,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quantization", default="none", help="plait's --quantization (int8, int4)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="plait's --kv-cache-dtype (bfloat16: a bf16 KV cache)")
+    ap.add_argument("--cpu-bf16-linear-rows", type=int, default=0,
+                    help="plait's --cpu-bf16-linear-rows (bf16 linears from N rows on)")
     ap.add_argument("--parts", default="extraction,classification,judge",
                     help="comma-separated parts to run (quick runs)")
     ap.add_argument("--peers-venv", type=Path, default=peers.DEFAULT_VENV)
@@ -523,6 +525,7 @@ def main(argv=None) -> None:
         request_timeout=0,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        cpu_bf16_linear_rows=args.cpu_bf16_linear_rows,
     )
     backend = pl.EngineBackend(engine)
     tok = engine.tokenizer
@@ -540,6 +543,7 @@ def main(argv=None) -> None:
         "command": "python -m benchmarks.quality " + " ".join(argv or sys.argv[1:]),
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "cpu_bf16_linear_rows": args.cpu_bf16_linear_rows,
     }
     parts = set(args.parts.split(","))
     try:

@@ -258,7 +258,10 @@ class LlamaForCausalLM(nn.Module):
         layers = list(self.model.layers)  # (slicing the ModuleList would build a new one)
         first = layers[0].input_layernorm
         h = ops.rms_norm(x, first.weight, first.eps)
-        lean = self._lean_layers(kv_pool) if self.use_lean_loop else None
+        # the lean loops call the fp32 panel kernels directly: a forward whose linears run in
+        # bf16 (--cpu-bf16-linear-rows) takes the modules
+        bf16 = 0 < self.bf16_linear_rows <= x.shape[0]
+        lean = self._lean_layers(kv_pool) if self.use_lean_loop and not bf16 else None
         if lean is not None:
             return self._forward_lean(x, h, rope, kv_pool, meta, ops, lean)
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
@@ -267,6 +270,7 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     _lean: tuple[int, list[tuple]] | None = None  # (id of the pool, _lean_layers' list)
+    bf16_linear_rows = 0  # set by the model runner (--cpu-bf16-linear-rows): 0, never
     use_lean_loop = True  # False: the module path (benchmarks A/B the two)
 
     def _lean_layers(self, kv_pool: KVPool) -> list[tuple] | None:

@@ -35,7 +35,7 @@ from plait.runtime.core import Batch
 from plait.runtime.cpu_tuning import pack_layer_linears, pack_linear, tune_allocator
 from plait.runtime.cuda_graph import GRAPH_BACKENDS, DecodeGraphRunner
 from plait.runtime.hugepages import move_buffers_to_huge_pages
-from plait.runtime.logit_screen import ScreenedRows, LogitScreen
+from plait.runtime.logit_screen import LogitScreen, ScreenedRows, has_bf16_units
 from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
 from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
 
@@ -117,6 +117,9 @@ class ModelRunner:
             self._quantize(args)
         if self.device.type == "cpu" and not args.disable_cpu_prepack:
             self._prepack_linears(args)
+        elif args.cpu_bf16_linear_rows:
+            raise ValueError("cpu_bf16_linear_rows: runs on the CPU's prepacked linears (not "
+                             f"on {self.device.type}, not with --disable-cpu-prepack)")
         self.logit_screen = self._logit_screen(args)
         if self.device.type == "cpu" and not args.disable_huge_pages:
             move_buffers_to_huge_pages(self.model)  # the weight panels (before any forward)
@@ -192,13 +195,36 @@ class ModelRunner:
                 if getattr(model, "packed_lm_head", None) is None:
                     model.packed_lm_head = PanelLinear(model.lm_head_weight)
                 quantize_linears(model.model, PanelLinear)  # those not quantized already
+                self._bf16_linears(args)
             start_linear_kernels()
             return
+        if args.cpu_bf16_linear_rows:
+            raise ValueError(
+                "cpu_bf16_linear_rows: needs plait's fp32 panel linears (a float32 model in one "
+                "process, without --disable-cpu-linear-kernel)"
+            )
         if getattr(model, "packed_lm_head", None) is None:
             model.packed_lm_head = pack_linear(model.lm_head_weight)
         pack_layer_linears(model.model)  # the decoder layers (not lm_head)
         if self.sharding:
             pack_row_parallel(model.model)
+
+    def _bf16_linears(self, args: ServerArgs) -> None:
+        """--cpu-bf16-linear-rows N: the decoder layers' panel linears multiply forwards of N
+        rows or more in bf16 (the logits GEMM keeps fp32: the logit screen picks exactly)."""
+        rows = args.cpu_bf16_linear_rows
+        if not rows:
+            return
+        if not has_bf16_units():
+            raise ValueError(
+                "cpu_bf16_linear_rows: this CPU has no bf16 units (AMX or AVX512-BF16), where "
+                "bf16 linears would be slower than fp32's"
+            )
+        for module in self.model.model.modules():
+            if isinstance(module, PanelLinear):
+                module.use_bf16_from(rows)
+        self.model.bf16_linear_rows = rows
+        logger.info("decoder linears in bf16 from %d rows on", rows)
 
     def _logit_screen(self, args: ServerArgs) -> LogitScreen | None:
         """Greedy picks through a bf16 screen of the logits (logit_screen.py): on the CPU in
