@@ -18,7 +18,8 @@ other processes do not inflate: the A/B to use on a busy machine (memory and cac
 still reach it). --gemms, --isa avx2 runs the int8/int4 linears on the AVX2 build.
 
 Methods: none (fp32 on plait's panel kernels, the default), onednn (fp32 on oneDNN's prepacked
-weights, --disable-cpu-linear-kernel), int8, int4.
+weights, --disable-cpu-linear-kernel), bf16 (the layers' linears in bf16 on oneDNN,
+--cpu-bf16-linear-rows 1; the logits fp32), int8, int4.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def method_args(method: str, lm_head: bool) -> dict:
         return {}
     if method == "onednn":
         return {"disable_cpu_linear_kernel": True}
+    if method == "bf16":
+        return {"cpu_bf16_linear_rows": 1}
     return {"quantization": method, "quantize_lm_head": lm_head}
 
 
@@ -60,8 +63,13 @@ def gemm_step(model: str, methods: list[str], batches: list[int], repeats: int,
     q = cfg.num_attention_heads * cfg.head_dim
     shapes = [(q + 2 * kv, h), (h, q), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
     kw = {"isa": isa} if isa else {}
-    build = {"none": PanelLinear, "onednn": pack_linear, "int8": lambda w: Int8Linear(w, **kw),
-             "int4": lambda w: Int4Linear(w, **kw)}
+    def bf16(w):
+        lin = PanelLinear(w)
+        lin.use_bf16_from(1)
+        return lin
+
+    build = {"none": PanelLinear, "onednn": pack_linear, "bf16": bf16,
+             "int8": lambda w: Int8Linear(w, **kw), "int4": lambda w: Int4Linear(w, **kw)}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         mods: dict[str, list] = {m: [] for m in methods}
@@ -72,7 +80,7 @@ def gemm_step(model: str, methods: list[str], batches: list[int], repeats: int,
                     mods[m].append(build[m](w))
         logits_w = torch.randn(cfg.vocab_size, h, generator=gen) * 0.02
         for m in methods:
-            fp32 = m if m in ("none", "onednn") else "none"
+            fp32 = m if m in ("none", "onednn") else "none"  # (bf16: the logits stay fp32)
             mods[m].append(build[m if lm_head else fp32](logits_w))
         for b in batches:
             xs = {k: torch.randn(b, k, generator=gen) for k in {k for _, k in shapes}}
