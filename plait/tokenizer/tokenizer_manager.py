@@ -25,7 +25,6 @@ import zmq.asyncio
 from plait.args import ServerArgs
 from plait.errors import RequestError
 from plait.io_struct import InputLimits, ReqInput, ReqState
-from plait.models.tokenizer import encode_prompt
 from plait.messages import (
     AbortReq,
     AsyncMessageReceiver,
@@ -38,6 +37,7 @@ from plait.messages import (
     StatsOut,
     TokenizedGenerateReq,
 )
+from plait.models.tokenizer import encode_prompt
 
 logger = logging.getLogger(__name__)
 

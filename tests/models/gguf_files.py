@@ -324,3 +324,17 @@ def write_spm_tokenizer_only_gguf(
     write(writer)
     _finish(writer)
     return path
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int = 16) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (token ids), one prompt at a time."""
+    import torch
+
+    out = []
+    for ids in prompts:
+        gen = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        )
+        out.append(gen[0, len(ids):].tolist())
+    return out

@@ -19,6 +19,7 @@ from plait.models.gguf import build_tokenizer, convert_gguf, gguf_checkpoint, re
 from plait.models.resolve import resolve_model_path
 from tests.models.gguf_files import (
     build_hf_checkpoint,
+    hf_greedy,
     hf_tokenizer,
     without_digit_merges,
     write_gguf,
@@ -200,13 +201,7 @@ def test_greedy_output_matches_transformers(hf_tied, tmp_path, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
     model.generation_config.eos_token_id = None  # compare 16 tokens whatever they are
     prompts = [[5, 17, 300, 1024, 9], [2047], list(range(100, 160))]
-    expected = []
-    for p in prompts:
-        out = model.generate(
-            torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=16, do_sample=False, pad_token_id=0,
-        )
-        expected.append(out[0, len(p):].tolist())
+    expected = hf_greedy(model, prompts)
     with plait.Engine(str(path), max_total_tokens=4096) as engine:
         outs = engine.generate(
             input_ids=prompts, sampling_params={"max_new_tokens": 16, "temperature": 0.0,

@@ -28,6 +28,7 @@ from tests.models.gguf_files import (
     NORMAL,
     UNKNOWN,
     build_hf_checkpoint,
+    hf_greedy,
     spm_tokenizer_metadata,
     spm_vocabulary,
     write_gguf,
@@ -235,13 +236,7 @@ def test_spm_greedy_output_matches_transformers(hf_spm, vocabulary, tmp_path, mo
                   for p in prompts]
     for ids in prompt_ids:  # one BOS each: added, or written by the first prompt
         assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
-    expected = []
-    for ids in prompt_ids:
-        out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=16, do_sample=False, pad_token_id=0,
-        )
-        expected.append(out[0, len(ids):].tolist())
+    expected = hf_greedy(model, prompt_ids)
     assert len({tuple(e) for e in expected}) == len(expected)  # the prompts matter
     with plait.Engine(str(path), max_total_tokens=4096) as engine:
         outs = engine.generate(

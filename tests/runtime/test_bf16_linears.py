@@ -74,7 +74,7 @@ def test_wide_forwards_run_bf16_linears_and_decode_keeps_the_cpp_loop(
     monkeypatch.setattr(woq.PanelLinear, "_linear", counted)
     cpp_runs = count_cpp_loop_runs(monkeypatch)
     prompts, ref = llama_ref
-    ids, _, counters = run(make_scheduler, 0, _requests(prompts), cpu_bf16_linear_rows=64,
+    ids, _, _ = run(make_scheduler, 0, _requests(prompts), cpu_bf16_linear_rows=64,
                            max_running_requests=8)
     assert wide and min(wide) >= 64, "no forward of 64 rows took the bf16 linears"
     assert cpp_runs and max(b for b, _ in cpp_runs) < 64, "decode left the C++ loop"
