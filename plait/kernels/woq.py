@@ -311,9 +311,10 @@ class PanelLinear(_PanelLinear):
 
     def use_bf16_from(self, rows: int) -> None:
         """From `rows` rows on, multiply in bf16 through oneDNN (the CPU's AMX or AVX512-BF16
-        units: ~4x the fp32 panels' rate from a few hundred rows, ~1.6x at 32, SmolLM2's
-        shapes on the Intel Xeon VM) on a bf16 copy of the weight, the rows rounded to bf16;
-        fewer rows keep the fp32 panels (their weight stream is the cost there)."""
+        units) on a bf16 copy of the weight, the rows rounded to bf16; fewer rows keep the fp32
+        panels. One step's linears at SmolLM2's shapes, weights from memory, the fp32 logits
+        included (benchmarks/quantization.py --gemms, Intel Xeon VM): even at 16-32 rows, 1.29x
+        at 64, 1.63x at 128, 2.07x at 512."""
         self.register_buffer("weight_bf16", self.dequantized().bfloat16().contiguous(),
                              persistent=False)
         self.bf16_rows = rows
