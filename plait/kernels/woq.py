@@ -325,10 +325,19 @@ class PanelLinear(_PanelLinear):
         ops = _linear_ops
         return None if ops is None else (ops.fp32_linear, (self.panels, self.out_features))
 
+    def takes_bf16(self, rows: int) -> bool:
+        """Whether a forward of `rows` rows multiplies in bf16 (use_bf16_from)."""
+        return 0 < self.bf16_rows <= rows
+
+    def bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] (fp32 or bf16) @ W.T in bf16, left in bf16 [M, out], without bias (for a
+        caller that consumes bf16: the MLP's silu * up and its down projection)."""
+        return torch.ops.mkldnn._linear_pointwise(
+            x.bfloat16().contiguous(), self.packed_bf16, None, "none", [], "")
+
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bf16_rows and x.shape[0] >= self.bf16_rows:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.bfloat16(), self.packed_bf16, None, "none", [], "").float()
+        if self.takes_bf16(x.shape[0]):
+            return self.bf16_product(x).float()
         ops = _linear_ops
         if ops is not None:
             return ops.fp32_linear(x, self.panels, self.out_features)

@@ -149,7 +149,16 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if (isinstance(gate_up, woq.PanelLinear) and isinstance(down, woq.PanelLinear)
+                and gate_up.takes_bf16(x.shape[0]) and down.takes_bf16(x.shape[0])
+                and gate_up.bias is None and down.bias is None):
+            # --cpu-bf16-linear-rows: gate_up's product stays bf16 through silu * up into the
+            # down projection (converting [T, 2I] to fp32 and [T, I] back cost SmolLM2's MLP at
+            # 4,096 rows 17.2 ms against 12.6)
+            gate, up = gate_up.bf16_product(x).split(self.intermediate, dim=-1)
+            return down.bf16_product(nn.functional.silu(gate) * up).float()
+        return down(ops.silu_mul(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -44,6 +44,32 @@ def test_the_linear_switches_to_bf16_at_its_row_count():
                                       atol=1e-4, rtol=1e-4)  # not the fp32 result
 
 
+@needs_bf16
+def test_the_mlp_keeps_its_bf16_product_through_silu_into_down():
+    from plait.kernels.fused_ops import start_fused_ops, fused_ops
+    from plait.models.llama import MLP
+
+    assert woq.start_linear_kernels(block=True) and start_fused_ops(block=True)
+    gen = torch.Generator().manual_seed(1)
+    mlp = MLP(64, 96, bias=False)
+    w_gu, w_down = torch.randn(192, 64, generator=gen), torch.randn(64, 96, generator=gen)
+    with torch.inference_mode():
+        mlp.gate_up_proj = woq.PanelLinear(w_gu)
+        mlp.down_proj = woq.PanelLinear(w_down)
+        for m in (mlp.gate_up_proj, mlp.down_proj):
+            m.use_bf16_from(16)
+        wide, narrow = torch.randn(16, 64, generator=gen), torch.randn(15, 64, generator=gen)
+        gate, up = torch.nn.functional.linear(wide.bfloat16(), w_gu.bfloat16()).split(96, -1)
+        act = torch.nn.functional.silu(gate) * up  # bf16, as the chain keeps it
+        want = torch.nn.functional.linear(act, w_down.bfloat16()).float()
+        torch.testing.assert_close(mlp.forward_fused(wide, fused_ops()), want, atol=0, rtol=0)
+        # fewer rows: the fp32 panels and the fused silu_mul
+        gate, up = torch.nn.functional.linear(narrow, w_gu).split(96, -1)
+        want = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down)
+        torch.testing.assert_close(mlp.forward_fused(narrow, fused_ops()), want,
+                                   atol=1e-4, rtol=1e-4)
+
+
 def _requests(prompts):
     return [
         {"rid": f"p{i}", "input_ids": p,
@@ -63,14 +89,13 @@ def test_wide_forwards_run_bf16_linears_and_decode_keeps_the_cpp_loop(
     assert woq.start_linear_kernels(block=True) and start_fused_ops(block=True)
     assert start_decode_kernel(block=True)
     wide: list[int] = []
-    linear = woq.PanelLinear._linear
+    product = woq.PanelLinear.bf16_product
 
     def counted(self, x):
-        if self.bf16_rows and x.shape[0] >= self.bf16_rows:
-            wide.append(x.shape[0])
-        return linear(self, x)
+        wide.append(x.shape[0])
+        return product(self, x)
 
-    monkeypatch.setattr(woq.PanelLinear, "_linear", counted)
+    monkeypatch.setattr(woq.PanelLinear, "bf16_product", counted)
     cpp_runs = count_cpp_loop_runs(monkeypatch)
     prompts, ref = llama_ref
     ids, _, _ = run(make_scheduler, 0, _requests(prompts), cpu_bf16_linear_rows=64,
