@@ -32,7 +32,12 @@ import torch
 
 from plait.kernels.base import AttentionMetadata, ForwardMode
 from plait.kernels.cpp_build import BackgroundBuild
-from plait.kernels.cpu_extend import ExtendPlan, extend_attention_cpu, plan_extend  # noqa: F401
+from plait.kernels.cpu_extend import (  # noqa: F401
+    KERNEL_POOL_DTYPES,
+    ExtendPlan,
+    extend_attention_cpu,
+    plan_extend,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +273,7 @@ def decode_attention_cpu(
         kernel is not None
         and q.device.type == "cpu"
         and q.dtype == torch.float32
-        and k_buffer.dtype == v_buffer.dtype in (torch.float32, torch.bfloat16)
+        and k_buffer.dtype == v_buffer.dtype in KERNEL_POOL_DTYPES
         and head_dim % 8 == 0
         and k_buffer.is_contiguous()
         and v_buffer.is_contiguous()

@@ -113,7 +113,8 @@ def plan_extend(meta: AttentionMetadata) -> ExtendPlan:
     return plan
 
 
-_KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
+# the KV pool dtypes plait's CPU attention kernels read beside fp32 q (decode and extend)
+KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _kernel_suits(
@@ -124,7 +125,7 @@ def _kernel_suits(
         and q.device.type == "cpu"
         and q.dtype == torch.float32
         and k_buffer.dtype == v_buffer.dtype
-        and k_buffer.dtype in _KERNEL_POOL_DTYPES
+        and k_buffer.dtype in KERNEL_POOL_DTYPES
         and q.stride(2) == 1
         and k_buffer.is_contiguous()
         and v_buffer.is_contiguous()

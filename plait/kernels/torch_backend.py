@@ -9,7 +9,7 @@ import torch
 
 from plait.kernels.base import AttentionBackend, AttentionMetadata
 from plait.kernels.cpu_attention import decode_attention_cpu, decode_kernel, plan_rows
-from plait.kernels.cpu_extend import extend_attention_cpu, plan_extend
+from plait.kernels.cpu_extend import KERNEL_POOL_DTYPES, extend_attention_cpu, plan_extend
 
 if TYPE_CHECKING:
     from plait.radix_cache.kv_pool import KVPool
@@ -118,7 +118,7 @@ class TorchAttnBackend(AttentionBackend):
         if not (
             self.use_cpu_kernel
             and self.head_dim % 8 == 0
-            and kv_pool.k_buffer[0].dtype in (torch.float32, torch.bfloat16)
+            and kv_pool.k_buffer[0].dtype in KERNEL_POOL_DTYPES
             and kv_pool.k_buffer[0].is_contiguous()
             and kv_pool.v_buffer[0].is_contiguous()
         ):

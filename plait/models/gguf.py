@@ -460,7 +460,7 @@ def _sentencepiece_tokenizer(contents: GGUFContents):  # -> tokenizers.Tokenizer
         for i, kind in enumerate(types)
         if kind == _TOKEN_USER_DEFINED and i not in special
     ])
-    tokenizer.post_processor = _bos_eos_processor(contents, tokens)
+    tokenizer.post_processor = _bos_eos_processor(m, tokens, named)
     return tokenizer
 
 
@@ -497,12 +497,11 @@ def _adds_bos(metadata: dict[str, Any]) -> bool:
     return bool(flag)
 
 
-def _bos_eos_processor(contents: GGUFContents, tokens: list[str]):
-    """BOS/EOS around each sequence, as the file's add_bos_token/add_eos_token say."""
+def _bos_eos_processor(m: dict[str, Any], tokens: list[str], named: dict[str, int]):
+    """BOS/EOS around each sequence, as the file's add_bos_token/add_eos_token say (named:
+    _named_token_ids)."""
     from tokenizers import processors
 
-    m = contents.metadata
-    named = _named_token_ids(m, len(tokens))
     bos = tokens[named["bos"]] if "bos" in named and _adds_bos(m) else None
     add_eos = m.get("tokenizer.ggml.add_eos_token")
     eos = tokens[named["eos"]] if "eos" in named and add_eos else None
