@@ -1,7 +1,8 @@
 """Constrained-generation benchmark (issue 4), both grammar backends side by side.
 
     python -m benchmarks.grammar [--model DIR] [--backends xgrammar,outlines] [--dev-tokens 48]
-        [--repeats 3] [--only-extraction | --only-long] [--skip-dev]
+        [--repeats 3] [--only-extraction | --only-long | --only-dev-costs] [--skip-dev]
+        [--dev-cost-tokens 32]
 
 1. extraction: 32 JSON-schema requests (a schema with fixed keys: name, age, tags) vs the same
    32 prompts unconstrained (ignore_eos, as many tokens as the constrained run produced on
@@ -22,6 +23,10 @@
    heavy-schema request shares their batch vs when it does not.
 5. the 200 JSONSchemaBench dev schemas through the Engine (greedy, --dev-tokens): share accepted,
    share of finished outputs that validate, refusals grouped by keyword.
+6. the dev schemas' per-token cost (`--dev-cost-tokens`, 0 skips; `--only-dev-costs` alone):
+   each accepted schema's request alone (batch 1), constrained up to that many tokens, against
+   the same prompt unconstrained for as many tokens; the median, the maximum and every schema
+   above 2x (issue 13: no dev schema may cost over 2x an unconstrained token).
 
 Writes benchmarks/results/grammar.json and grammar.md.
 """
@@ -285,6 +290,59 @@ def dev_schemas(model: str, backend: str, max_tokens: int) -> dict:
     }
 
 
+def dev_costs(model: str, backend: str, max_tokens: int, files: list[Path] | None = None,
+              repeats: int = 2) -> dict:
+    """Per-token cost of each dev schema against the same request unconstrained: one request at
+    a time (batch 1, where a grammar's own work weighs most against the forward), the schema
+    compiled and the prompt cached first; constrained greedy up to `max_tokens`, then the same
+    prompt unconstrained for exactly as many tokens (ignore_eos); the better of `repeats` timed
+    runs each. cost = (constrained s / token) / (unconstrained s / token)."""
+    import plait
+
+    files = sorted(DEV.glob("*/*.json")) if files is None else files
+    if not files:
+        return {"error": f"no schemas at {DEV}"}
+    rows: dict[str, dict] = {}
+    refused = 0
+
+    def timed(eng, params: dict) -> tuple[float, dict]:
+        t = time.perf_counter()
+        r = eng.generate("Output the JSON now:", params)
+        return time.perf_counter() - t, r
+
+    with plait.Engine(model, grammar_backend=backend, grammar_compile_timeout=10.0) as eng:
+        for path in files:
+            cons = {"max_new_tokens": max_tokens, "temperature": 0,
+                    "json_schema": path.read_text()}
+            try:
+                eng.generate("Output the JSON now:", {**cons, "max_new_tokens": 1})
+            except ValueError:
+                refused += 1
+                continue
+            c = [timed(eng, cons) for _ in range(repeats)]
+            tokens = c[0][1]["meta_info"]["completion_tokens"]
+            free = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+            u = [timed(eng, free) for _ in range(repeats)]
+            assert all(r["meta_info"]["completion_tokens"] == tokens for _, r in c + u), path
+            cs, us = min(t for t, _ in c) / tokens, min(t for t, _ in u) / tokens
+            name = path.relative_to(DEV).as_posix() if path.is_relative_to(DEV) else path.name
+            rows[name] = {
+                "tokens": tokens, "constrained_s_per_token": cs,
+                "unconstrained_s_per_token": us, "cost_ratio": cs / us}
+    ratios = sorted(r["cost_ratio"] for r in rows.values())
+    worst = sorted(rows.items(), key=lambda kv: -kv[1]["cost_ratio"])
+    out = {"measured": len(rows), "refused": refused, "max_tokens": max_tokens,
+           "max_ratio": ratios[-1] if ratios else None,
+           "median_ratio": ratios[len(ratios) // 2] if ratios else None,
+           "over_2x": {k: v["cost_ratio"] for k, v in worst if v["cost_ratio"] > 2.0},
+           "worst": dict(worst[:5]), "schemas": rows}
+    if ratios:
+        print(f"  {len(rows)} schemas: per-token cost median {out['median_ratio']:.2f}x, "
+              f"max {out['max_ratio']:.2f}x ({worst[0][0]}), {len(out['over_2x'])} above 2x",
+              flush=True)
+    return out
+
+
 def _git_rev() -> str:
     import subprocess
 
@@ -305,6 +363,8 @@ def markdown(res: dict) -> str:
              "same text on/off | finished | valid |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for b, r in res["backends"].items():
+        if "extraction" not in r:
+            continue
         e = r["extraction"]
         on, off, u = e["jump_forward_on"], e["jump_forward_off"], e["unconstrained"]
         lines.append(
@@ -345,6 +405,17 @@ def markdown(res: dict) -> str:
         top = ", ".join(f"{k} {v}" for k, v in list(d["refusals"].items())[:8])
         lines.append(f"| {b} | {d['accepted']}/{d['schemas']} ({d['accepted_share']:.0%}) | "
                      f"{d['finished_valid']:.0%} of {d['finished']} | {top} |")
+    costs = {b: r["dev_costs"] for b, r in res["backends"].items()
+             if r.get("dev_costs", {}).get("measured")}
+    if costs:
+        lines += ["", ("Dev schemas' per-token cost, one request at a time (constrained s/token "
+                       "/ the same prompt unconstrained for as many tokens):"), "",
+                  "| backend | schemas | median | max | above 2x | worst |",
+                  "|---|---|---|---|---|---|"]
+        for b, d in costs.items():
+            worst = ", ".join(f"{k} {v['cost_ratio']:.2f}x" for k, v in list(d["worst"].items())[:3])
+            lines.append(f"| {b} | {d['measured']} | {d['median_ratio']:.2f}x | "
+                         f"{d['max_ratio']:.2f}x | {len(d['over_2x'])} | {worst} |")
     return "\n".join(lines) + "\n"
 
 
@@ -359,6 +430,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="xgrammar,outlines")
     ap.add_argument("--dev-tokens", type=int, default=48)
     ap.add_argument("--skip-dev", action="store_true")
+    ap.add_argument("--dev-cost-tokens", type=int, default=32,
+                    help="dev schemas' per-token cost check: tokens a request (0: skip it)")
+    ap.add_argument("--only-dev-costs", action="store_true",
+                    help="only the dev schemas' per-token cost check")
     ap.add_argument("--n", type=int, default=32, help="extraction requests")
     ap.add_argument("--repeats", type=int, default=3,
                     help="extraction: constrained and unconstrained timed in turns (medians)")
@@ -375,6 +450,11 @@ def main(argv=None) -> int:
     res = {"model_name": args.model, "when": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
            "git": _git_rev(), "backends": {}}
     for backend in args.backends.split(","):
+        if args.only_dev_costs:
+            print(f"[{backend}] dev schemas: per-token cost", flush=True)
+            res["backends"][backend] = {"dev_costs": dev_costs(model, backend,
+                                                                args.dev_cost_tokens)}
+            continue
         if args.only_extraction:
             res["backends"][backend] = {"extraction": extraction(model, backend, args.n,
                                                                  args.repeats)}
@@ -393,8 +473,11 @@ def main(argv=None) -> int:
             r["dev"] = dev_schemas(model, backend, args.dev_tokens)
         else:
             r["dev"] = {"error": "skipped"}
+        if not args.skip_dev and args.dev_cost_tokens > 0:
+            print(f"[{backend}] dev schemas: per-token cost", flush=True)
+            r["dev_costs"] = dev_costs(model, backend, args.dev_cost_tokens)
         res["backends"][backend] = r
-    if args.only_long or args.only_extraction:
+    if args.only_long or args.only_extraction or args.only_dev_costs:
         print(json.dumps(res, indent=1))
         return 0
     RESULTS.mkdir(exist_ok=True)

@@ -30,3 +30,37 @@ def test_extraction_matches_lengths_request_by_request(checkpoint):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3:5] == [f"{out['constrained_vs_unconstrained']:.2f}x",
                           f"{out['constrained_vs_unconstrained_matched']:.2f}x"]
+
+
+def test_dev_costs_time_each_schema_against_as_many_free_tokens(checkpoint, tmp_path):
+    import json
+
+    from benchmarks.grammar import dev_costs, markdown
+
+    schemas = {
+        "person.json": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+            "required": ["name", "age"]},
+        "long.json": {"type": "object", "properties": {
+            "text": {"type": "string", "maxLength": 2048}}, "required": ["text"]},
+        "refused.json": {"not": {"type": "string"}},
+    }
+    files = []
+    for name, schema in schemas.items():
+        (tmp_path / name).write_text(json.dumps(schema))
+        files.append(tmp_path / name)
+    out = dev_costs(checkpoint("tiny-llama"), "xgrammar", 8, files=files, repeats=1)
+    assert out["measured"] == 2 and out["refused"] == 1
+    for row in out["schemas"].values():
+        assert 0 < row["tokens"] <= 8
+        assert row["cost_ratio"] == pytest.approx(
+            row["constrained_s_per_token"] / row["unconstrained_s_per_token"])
+    ratios = {k: v["cost_ratio"] for k, v in out["schemas"].items()}
+    assert set(ratios) == {"person.json", "long.json"}
+    assert out["max_ratio"] == max(ratios.values())
+    assert out["over_2x"] == {k: r for k, r in ratios.items() if r > 2.0}
+    res = {"model_name": "tiny", "when": "now", "backends": {"xgrammar": {
+        "compile": {}, "dev": {"error": "skipped"}, "dev_costs": out}}}
+    lines = markdown(res).splitlines()
+    row = next(line for line in lines if line.startswith("| xgrammar | 2 |"))
+    assert f"{out['max_ratio']:.2f}x" in row
