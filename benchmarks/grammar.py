@@ -321,6 +321,8 @@ def dev_costs(model: str, backend: str, max_tokens: int, files: list[Path] | Non
                 continue
             c = [timed(eng, cons) for _ in range(repeats)]
             tokens = c[0][1]["meta_info"]["completion_tokens"]
+            if tokens == 0:  # nothing to compare per token
+                continue
             free = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
             u = [timed(eng, free) for _ in range(repeats)]
             assert all(r["meta_info"]["completion_tokens"] == tokens for _, r in c + u), path
