@@ -23,7 +23,8 @@
    heavy-schema request shares their batch vs when it does not.
 5. the 200 JSONSchemaBench dev schemas through the Engine (greedy, --dev-tokens): share accepted,
    share of finished outputs that validate, refusals grouped by keyword.
-6. the dev schemas' per-token cost (`--dev-cost-tokens`, 0 skips; `--only-dev-costs` alone):
+6. the dev schemas' per-token cost (`--dev-cost-tokens`, 0 skips; `--only-dev-costs` alone,
+   written to grammar-devcosts[-MODEL].json):
    each accepted schema's request alone (batch 1), constrained up to that many tokens, against
    the same prompt unconstrained for as many tokens; the median, the maximum and every schema
    above 2x (issue 13: no dev schema may cost over 2x an unconstrained token).
@@ -379,7 +380,7 @@ def markdown(res: dict) -> str:
     lines += ["", "Compile time (ms), cold / cached:", "",
               "| schema | " + " | ".join(res["backends"]) + " |",
               "|---|" + "---|" * len(res["backends"])]
-    names = list(next(iter(res["backends"].values()))["compile"])
+    names = list(next(iter(res["backends"].values())).get("compile", {}))
     for n in names:
         cells = []
         for r in res["backends"].values():
@@ -400,25 +401,30 @@ def markdown(res: dict) -> str:
               "| backend | accepted | finished outputs valid | refusals by keyword |",
               "|---|---|---|---|"]
     for b, r in res["backends"].items():
-        d = r["dev"]
+        d = r.get("dev", {"error": "not run"})
         if "error" in d:
             lines.append(f"| {b} | {d['error']} | | |")
             continue
         top = ", ".join(f"{k} {v}" for k, v in list(d["refusals"].items())[:8])
         lines.append(f"| {b} | {d['accepted']}/{d['schemas']} ({d['accepted_share']:.0%}) | "
                      f"{d['finished_valid']:.0%} of {d['finished']} | {top} |")
+    return "\n".join(lines + dev_costs_lines(res)) + "\n"
+
+
+def dev_costs_lines(res: dict) -> list[str]:
+    """The dev schemas' per-token cost table (markdown lines; none when it was not run)."""
     costs = {b: r["dev_costs"] for b, r in res["backends"].items()
              if r.get("dev_costs", {}).get("measured")}
-    if costs:
-        lines += ["", ("Dev schemas' per-token cost, one request at a time (constrained s/token "
-                       "/ the same prompt unconstrained for as many tokens):"), "",
-                  "| backend | schemas | median | max | above 2x | worst |",
-                  "|---|---|---|---|---|---|"]
-        for b, d in costs.items():
-            worst = ", ".join(f"{k} {v['cost_ratio']:.2f}x" for k, v in list(d["worst"].items())[:3])
-            lines.append(f"| {b} | {d['measured']} | {d['median_ratio']:.2f}x | "
-                         f"{d['max_ratio']:.2f}x | {len(d['over_2x'])} | {worst} |")
-    return "\n".join(lines) + "\n"
+    if not costs:
+        return []
+    lines = ["", ("Dev schemas' per-token cost, one request at a time (constrained s/token / "
+                  "the same prompt unconstrained for as many tokens):"), "",
+             "| backend | schemas | median | max | above 2x | worst |", "|---|---|---|---|---|---|"]
+    for b, d in costs.items():
+        worst = ", ".join(f"{k} {v['cost_ratio']:.2f}x" for k, v in list(d["worst"].items())[:3])
+        lines.append(f"| {b} | {d['measured']} | {d['median_ratio']:.2f}x | "
+                     f"{d['max_ratio']:.2f}x | {len(d['over_2x'])} | {worst} |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -479,11 +485,18 @@ def main(argv=None) -> int:
             print(f"[{backend}] dev schemas: per-token cost", flush=True)
             r["dev_costs"] = dev_costs(model, backend, args.dev_cost_tokens)
         res["backends"][backend] = r
-    if args.only_long or args.only_extraction or args.only_dev_costs:
+    stem = "grammar" if args.model == "plait-tiny" else f"grammar-{Path(args.model).name}"
+    if args.only_dev_costs:  # its own file: the per-schema figures
+        RESULTS.mkdir(exist_ok=True)
+        out = RESULTS / f"{stem.replace('grammar', 'grammar-devcosts', 1)}.json"
+        out.write_text(json.dumps(res, indent=1))
+        print("\n".join(dev_costs_lines(res)))
+        print(f"wrote {out}")
+        return 0
+    if args.only_long or args.only_extraction:
         print(json.dumps(res, indent=1))
         return 0
     RESULTS.mkdir(exist_ok=True)
-    stem = "grammar" if args.model == "plait-tiny" else f"grammar-{Path(args.model).name}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
     (RESULTS / f"{stem}.md").write_text(md)
