@@ -6,16 +6,28 @@ mis-handles an optional group that contains a repetition: for `a(?:x[0-9]+)?b` i
 pattern in the core schema is replaced by a marker, xgrammar prints the schema's grammar as
 EBNF, and each marker's rule is replaced by the plain-regex grammar of the real pattern.
 
-Long length bounds. `maxLength` folds into a counted repetition of one JSON character,
-`c{lo,hi}`, where c is a class or an escape (`\\n`, `\\u001f`). xgrammar 0.2.8 has no cached
-token mask for such a repetition: every mask fill walks the whole vocabulary through its parser
-(measured on a 100k vocabulary: 0.15 s per fill at hi=16, 0.6-1.6 s at hi=256..1024, growing with
-the string; nine such fields made a request cost seconds per token and stalled its batch). A rule
-with xgrammar's `max_chars` attribute over an unbounded repetition keeps the masks cached (about
-1 ms per fill at hi=2048). `max_chars` counts raw code points, so an escape costs its width
-(2 or 6) instead of one character: the bound stays sound (never longer than maxLength) and is
-exact for strings without escapes; a string with escapes may stop up to 5 characters per escape
-short of maxLength. Bounds up to LONG_REPEAT keep the exact counted repetition.
+Length bounds. `minLength` and `maxLength` fold into a counted repetition of one JSON
+character, `c{lo,hi}` (hi -1: no maximum), where c is a class or an escape (`\\n`, `\\u001f`).
+xgrammar 0.2.8 has no cached token mask for a counted repetition of such an alternation: every
+mask fill walks the whole vocabulary through its parser (measured on a 100k vocabulary: 0.15 s
+per fill at hi=16, 0.6-1.6 s at hi=256..1024, growing with the string; nine such fields made a
+request cost seconds per token and stalled its batch; later, with the bounds below LONG_REPEAT
+left counted: `c{0,20}` 33-43 ms and `c{9,-1}` 22-38 ms a fill, a 35x token for a dev schema on
+plait-tiny, 11-20 ms on SmolLM2's 49k vocabulary). Cached forms (0.1-1.1 ms a fill there): a
+counted repetition of the class alone, `[...]{lo,-1}`, and a rule with xgrammar's `max_chars`
+attribute over an unbounded repetition. So (bound_long_repeats) c{lo,hi} becomes
+
+    N[max_chars=hi] ::= [...]{lo,-1} ("" | escape c*)       (lo >= 2; no attribute when hi = -1)
+    N[max_chars=hi] ::= [...]{1,-1} ("" | escape c*) | escape c*                        (lo = 1)
+    N[max_chars=hi] ::= c*                                                             (lo = 0)
+
+Both departures keep the bound sound (never a string outside the schema):
+- `max_chars` counts raw code points, so an escape costs its width (2 or 6) instead of one
+  character: exact for strings without escapes; one with escapes may stop up to 5 characters
+  per escape short of maxLength;
+- from lo = 2 the first lo characters are plain (no escape among them); lo = 1 is exact.
+Minimums above LONG_REPEAT keep the counted repetition of lo characters (`c{lo,lo}`, then a
+`max_chars` rule for long maximums), as before.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ _JSON_CHAR_ALT = re.compile(
     r'|"\\\\" "u"(?: ' + _ONE + r'){4}'  # \uXXXX
 )
 _RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$", re.MULTILINE)
-_COUNTED = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\{(\d+), (\d+)\}")
+_COUNTED = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\{(\d+), (-1|\d+)\}")
 
 
 def extract_patterns(core: Any) -> tuple[Any, list[str]]:
@@ -120,14 +132,32 @@ def _closing(text: str, start: int, close: str) -> int:
 
 
 def bound_long_repeats(ebnf: str) -> str:
-    """Rewrite `c{lo, hi}` (c a rule that is exactly one JSON character, hi - lo > LONG_REPEAT)
-    as `c{lo, lo} c_upto` with `c_upto[max_chars=hi-lo] ::= c*` (see the module docstring)."""
+    """Rewrite each counted repetition `c{lo, hi}` of a rule c that is exactly one JSON character
+    into the cached forms of the module docstring."""
     bodies = {m.group(1): m.group(2) for m in _RULE.finditer(ebnf)}
     extra: list[str] = []
 
     def rewrite(m: re.Match) -> str:
         rule, lo, hi = m.group(1), int(m.group(2)), int(m.group(3))
-        if hi - lo <= LONG_REPEAT or not _is_json_char(bodies.get(rule, "")):
+        body = bodies.get(rule, "")
+        if not _is_json_char(body):
+            return m.group(0)
+        split = _class_and_escapes(body)
+        if split is not None and lo <= LONG_REPEAT:
+            cls, escapes = split
+            name = f"{rule}_len{len(extra)}"
+            attr = f"[max_chars={hi}]" if hi >= 0 else ""
+            if lo == 0:
+                extra.append(f"{name}{attr} ::= (({rule}*))")
+                return name
+            extra.append(f"{name}_esc ::= ({escapes})")
+            extra.append(f"{name}_tail ::= ((({name}_esc {rule}*)))")
+            extra.append(f'{name}_rest ::= ("" | ({name}_tail))')
+            head = f"({cls}{{{lo}, -1}} {name}_rest)"
+            extra.append(f"{name}{attr} ::= ({head}" + (f" | ({name}_tail)" if lo == 1 else "")
+                         + ")")
+            return name
+        if hi < 0 or hi - lo <= LONG_REPEAT:
             return m.group(0)
         upto = f"{rule}_upto{len(extra)}"
         extra.append(f"{upto}[max_chars={hi - lo}] ::= (({rule}*))")
@@ -138,6 +168,15 @@ def bound_long_repeats(ebnf: str) -> str:
         head, sep, body = line.partition(" ::= ")
         lines.append(head + sep + _COUNTED.sub(rewrite, body) if sep else line)
     return "\n".join(lines + extra) + "\n"
+
+
+def _class_and_escapes(body: str) -> tuple[str, str] | None:
+    """(the class, the escape alternatives joined by |) of a JSON-character rule body whose first
+    alternative is its only class and the others escapes; None for any other shape."""
+    alts = body.strip()[2:-2].split(") | (")
+    if len(alts) < 2 or not alts[0].startswith("[") or any(a.startswith("[") for a in alts[1:]):
+        return None
+    return alts[0], " | ".join(f"({a})" for a in alts[1:])
 
 
 def _is_json_char(body: str) -> bool:

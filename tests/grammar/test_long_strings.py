@@ -41,18 +41,62 @@ def accepts(backend, spec: str, text: str, tokenizer) -> bool:
         m.can_terminate())
 
 
-def test_long_bound_becomes_max_chars_rule_short_bound_stays_counted():
+def test_length_bounds_leave_no_counted_repetition_of_the_character_alternation():
+    """xgrammar caches no token mask for `c{lo, hi}` with c a class-or-escape alternation (a
+    20-40 ms fill on a 100k vocabulary): bounds up to LONG_REPEAT become a repetition of the
+    class alone and/or a max_chars rule; longer minimums keep `c{lo, lo}`."""
+    import re
+
     import xgrammar as xgr
 
     from plait.grammar.regex_syntax import json_string_regex
 
-    long = bound_long_repeats(str(xgr.Grammar.from_regex(json_string_regex(None, 3, 2048))))
-    assert "[max_chars=2045]" in long and "{3, 3}" in long and "2048" not in long
-    short = bound_long_repeats(str(xgr.Grammar.from_regex(json_string_regex(None, 0, LONG_REPEAT))))
-    assert "max_chars" not in short and f"{{0, {LONG_REPEAT}}}" in short
+    def rewritten(lo, hi):
+        out = bound_long_repeats(str(xgr.Grammar.from_regex(json_string_regex(None, lo, hi))))
+        xgr.Grammar.from_ebnf(out)  # parses
+        return out
+
+    counted_char = re.compile(r"\broot_1\{")
+    long = rewritten(3, 2048)
+    assert "[max_chars=2048]" in long and "]{3, -1}" in long and not counted_char.search(long)
+    short = rewritten(0, LONG_REPEAT)
+    assert f"[max_chars={LONG_REPEAT}] ::= ((root_1*))" in short and not counted_char.search(short)
+    minimum = rewritten(9, None)
+    assert "]{9, -1}" in minimum and "max_chars" not in minimum
+    assert not counted_char.search(minimum)
+    one = rewritten(1, 20)  # exact: the first character may be an escape
+    assert "[max_chars=20]" in one and "| (root_1_len0_tail))" in one
+    assert not counted_char.search(one)
+    # a minimum past LONG_REPEAT keeps its counted characters, the long maximum a max_chars rule
+    far = rewritten(LONG_REPEAT + 8, 2048)
+    assert f"root_1{{{LONG_REPEAT + 8}, {LONG_REPEAT + 8}}}" in far
+    assert f"[max_chars={2048 - LONG_REPEAT - 8}]" in far
     # a repeated multi-character group is not one character per repeat: left as it is
     group = bound_long_repeats(str(xgr.Grammar.from_regex("(?:ab){0,500}")))
     assert "max_chars" not in group
+
+
+def test_fast_length_forms_accept_and_refuse_as_documented(backends, tokenizer):
+    xg = backends["xgrammar"]
+    one = one_field(20, min_length=1)
+    assert accepts(xg, one, '{"a": "\\nab"}', tokenizer)  # minLength 1: exact
+    assert accepts(xg, one, '{"a": "x"}', tokenizer)
+    assert not accepts(xg, one, '{"a": ""}', tokenizer)
+    assert not accepts(xg, one, '{"a": "' + "x" * 21 + '"}', tokenizer)
+    two = one_field(20, min_length=2)
+    assert accepts(xg, two, '{"a": "xy\\n"}', tokenizer)
+    assert not accepts(xg, two, '{"a": "x"}', tokenizer)
+    # from minLength 2 on, an escape among the first minLength characters is refused (sound,
+    # not exact: see plait/grammar/xgrammar_patterns.py)
+    assert not accepts(xg, two, '{"a": "\\nxy"}', tokenizer)
+    nomax = json.dumps({"type": "object", "required": ["a"], "additionalProperties": False,
+                        "properties": {"a": {"type": "string", "minLength": 9}}})
+    assert accepts(xg, nomax, '{"a": "' + "x" * 9 + '"}', tokenizer)
+    assert accepts(xg, nomax, '{"a": "' + "x" * 40 + '\\"q"}', tokenizer)
+    assert not accepts(xg, nomax, '{"a": "' + "x" * 8 + '"}', tokenizer)
+    short = one_field(5)
+    assert accepts(xg, short, '{"a": "abcde"}', tokenizer)
+    assert not accepts(xg, short, '{"a": "abcdef"}', tokenizer)
 
 
 @pytest.mark.parametrize("max_length", [40, 300])
@@ -64,7 +108,7 @@ def test_long_bound_is_enforced(backends, tokenizer, max_length):
     assert not accepts(xg, spec, '{"a": "' + body + 'c"}', tokenizer)
     assert not accepts(xg, spec, '{"a": "a"}', tokenizer)  # minLength still counted exactly
     # escapes count their raw width toward the bound (sound: never longer than maxLength)
-    assert accepts(xg, spec, '{"a": "' + "x\\n" * 4 + '"}', tokenizer)
+    assert accepts(xg, spec, '{"a": "xy' + "x\\n" * 4 + '"}', tokenizer)
 
 
 def test_signup_schema_compiles_to_max_chars_rules(backends):
