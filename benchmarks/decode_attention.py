@@ -186,16 +186,16 @@ def run_case(layout: str, batch: int, args, variants: dict) -> None:
         pools[name] = kv if dtype == torch.float32 else [(k.to(dtype), v.to(dtype)) for k, v in kv]
     # run name -> (kernel, pool dtype); a baseline from before bf16 pools reads fp32 ones only
     runs = {
-        n if dt == "float32" else f"{n}-{dt}": (mod.decode_attention, dt)
+        run_name(n, dt): (mod.decode_attention, dt)
         for dt in pools
         for n, mod in variants.items()
         if dt == "float32" or n != "old" or reads_bf16(mod, q, pools[dt][0], slots, lens)
     }
     outs = {n: fn(q, *pools[dt][0], slots, lens, 0.125)[0] for n, (fn, dt) in runs.items()}
     for dt in pools:
-        sfx = "" if dt == "float32" else f"-{dt}"
-        if f"old{sfx}" in outs and f"new{sfx}" in outs:
-            torch.testing.assert_close(outs[f"new{sfx}"], outs[f"old{sfx}"], atol=1e-5, rtol=1e-5)
+        old, new = run_name("old", dt), run_name("new", dt)
+        if old in outs and new in outs:
+            torch.testing.assert_close(outs[new], outs[old], atol=1e-5, rtol=1e-5)
     # one thread: its CPU time, which a neighbour taking the core for a while does not inflate
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     per: dict[str, list[float]] = {n: [] for n in runs}
@@ -216,10 +216,15 @@ def run_case(layout: str, batch: int, args, variants: dict) -> None:
         for n, ms in step.items()
     )
     for dt in pools:
-        sfx = "" if dt == "float32" else f"-{dt}"
-        if f"old{sfx}" in step and f"new{sfx}" in step:
-            line += f"  old/new{sfx} {step[f'old{sfx}'] / step[f'new{sfx}']:.2f}x"
+        old, new = run_name("old", dt), run_name("new", dt)
+        if old in step and new in step:
+            line += f"  old/{new} {step[old] / step[new]:.2f}x"
     print(line, flush=True)
+
+
+def run_name(variant: str, dtype: str) -> str:
+    """A run's name: the kernel variant, and the pool dtype unless fp32 ("new-bfloat16")."""
+    return variant if dtype == "float32" else f"{variant}-{dtype}"
 
 
 def reads_bf16(mod, q, kv, slots, lens) -> bool:

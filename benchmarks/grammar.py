@@ -46,6 +46,7 @@ from benchmarks import workloads as wl
 
 RESULTS = Path(__file__).parent / "results"
 DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench-dev"
+DEV_PROMPT = "Output the JSON now:"  # the dev schemas' requests (acceptance and per-token cost)
 
 
 def _stats_delta(engine, before: dict) -> dict:
@@ -245,7 +246,7 @@ def dev_schemas(model: str, backend: str, max_tokens: int) -> dict:
             async with sem:
                 try:
                     r = await eng.async_generate(
-                        "Output the JSON now:",
+                        DEV_PROMPT,
                         {"max_new_tokens": max_tokens, "temperature": 0, "json_schema": spec},
                     )
                     return path, spec, r, None
@@ -308,7 +309,7 @@ def dev_costs(model: str, backend: str, max_tokens: int, files: list[Path] | Non
 
     def timed(eng, params: dict) -> tuple[float, dict]:
         t = time.perf_counter()
-        r = eng.generate("Output the JSON now:", params)
+        r = eng.generate(DEV_PROMPT, params)
         return time.perf_counter() - t, r
 
     with plait.Engine(model, grammar_backend=backend, grammar_compile_timeout=10.0) as eng:
@@ -316,7 +317,7 @@ def dev_costs(model: str, backend: str, max_tokens: int, files: list[Path] | Non
             cons = {"max_new_tokens": max_tokens, "temperature": 0,
                     "json_schema": path.read_text()}
             try:
-                eng.generate("Output the JSON now:", {**cons, "max_new_tokens": 1})
+                eng.generate(DEV_PROMPT, {**cons, "max_new_tokens": 1})
             except ValueError:
                 refused += 1
                 continue

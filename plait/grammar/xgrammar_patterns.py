@@ -173,7 +173,7 @@ def bound_long_repeats(ebnf: str) -> str:
 def _class_and_escapes(body: str) -> tuple[str, str] | None:
     """(the class, the escape alternatives joined by |) of a JSON-character rule body whose first
     alternative is its only class and the others escapes; None for any other shape."""
-    alts = body.strip()[2:-2].split(") | (")
+    alts = _alternatives(body)
     if len(alts) < 2 or not alts[0].startswith("[") or any(a.startswith("[") for a in alts[1:]):
         return None
     return alts[0], " | ".join(f"({a})" for a in alts[1:])
@@ -184,5 +184,9 @@ def _is_json_char(body: str) -> bool:
     body = body.strip()
     if not (body.startswith("((") and body.endswith("))")):
         return False
-    alts = body[2:-2].split(") | (")
-    return all(_JSON_CHAR_ALT.fullmatch(a) for a in alts)
+    return all(_JSON_CHAR_ALT.fullmatch(a) for a in _alternatives(body))
+
+
+def _alternatives(body: str) -> list[str]:
+    """The alternatives of a printed rule body `((a) | (b) | ...)`, without their parentheses."""
+    return body.strip()[2:-2].split(") | (")
