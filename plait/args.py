@@ -242,6 +242,10 @@ class ServerArgs:
         "full fp32 logits instead of screening them in bf16 and computing only the few "
         "candidate tokens exactly (the same tokens; plait/runtime/logit_screen.py)",
     )
+    disable_screen_kernel: bool = _opt(
+        False, "on a CPU with AMX-BF16, run the logit screen's bf16 GEMM through oneDNN instead "
+        "of plait's AMX kernel (plait/kernels/screen_amx.cpp; the same tokens)",
+    )
     quantization: str = _opt(
         "none", "CPU: weight-only quantized decoder-layer linears, quantized at load time from "
         "the checkpoint's weights (int8: per-output-row scales; int4: scale and min per 32 "

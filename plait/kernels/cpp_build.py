@@ -39,6 +39,17 @@ def extension_name(name: str, source_text: str, extra_cflags: list[str],
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux: /proc/cpuinfo's first `flags` line; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                           if line.startswith("flags")), []))
+
+
+@functools.cache
 def prefetch_flags() -> list[str]:
     """["-DPLAIT_PREFETCH_L2"] on an Intel CPU (Linux: /proc/cpuinfo's vendor), else []: the
     kernels' software prefetches of streamed data (the KV rows a decode attention block reads

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
+from plait.kernels.cpp_build import cpu_flags
 from plait.kernels.fused_ops import fused_ops
+from plait.kernels.screen_amx import amx_capable, pack_weight, screen_kernel, start_screen_kernel
+from plait.runtime.hugepages import huge_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +85,7 @@ class ScreenedRows:
 
 def has_bf16_units() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16; Linux's flags)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
+    flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
@@ -97,7 +93,7 @@ class LogitScreen:
     """The bf16 copy of the output embedding, its per-token error norms, and the exact pick
     (see the module docstring). `weight` [V, H] float32 stays referenced (the exact dots)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, amx: bool = False, huge_pages: bool = False) -> None:
         self.weight = weight.detach().contiguous()
         self.vocab_size, hidden = self.weight.shape
         with torch.inference_mode():
@@ -107,13 +103,26 @@ class LogitScreen:
             self.w_rest = ((self.weight - wb_f).norm(dim=1) * _NORM_SLACK).contiguous()
             del wb_f
             self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, _PACK_BATCH_HINT)
+            # the AMX kernel's copy (screen_amx.cpp), used once the kernel is built and checked
+            self.amx_packed = self._pack_amx(wb, huge_pages) if amx else None
+        self._amx_checked = False
         gamma = hidden * 2.0**-24 / (1 - hidden * 2.0**-24)
         self.g = 2 * gamma
         self.c = _OUTPUT_ROUNDING
 
+    @staticmethod
+    def _pack_amx(wb: torch.Tensor, huge_pages: bool) -> torch.Tensor:
+        v, k = wb.shape
+        nbytes = -(-v // 32) * 32 * (-(-k // 32) * 32) * 2
+        arena = huge_zeros(nbytes) if huge_pages else None  # a 57 MB stream: 2 MB pages
+        return pack_weight(wb, None if arena is None else arena.view(torch.bfloat16))
+
     @classmethod
-    def build(cls, weight: torch.Tensor) -> LogitScreen | None:
-        """The screen for an fp32 CPU weight, or None where it would not pay or not hold."""
+    def build(cls, weight: torch.Tensor, amx: bool = True,
+              huge_pages: bool = False) -> LogitScreen | None:
+        """The screen for an fp32 CPU weight, or None where it would not pay or not hold. On a
+        CPU with AMX-BF16 (unless not `amx`) the screen's GEMM moves to screen_amx.cpp once
+        that is built and checked."""
         if (
             weight.device.type != "cpu"
             or weight.dtype != torch.float32
@@ -122,19 +131,40 @@ class LogitScreen:
         ):
             return None
         try:
-            screen = cls(weight)
-            ok = screen.bound_holds()
+            screen = cls(weight, amx=amx and amx_capable(), huge_pages=huge_pages)
+            ok = screen.bound_holds(screen.approx_onednn)
         except (RuntimeError, AttributeError) as e:  # an op this torch build lacks
             logger.info("logit screen unavailable (%s); computing full logits", e)
             return None
         if not ok:
             logger.warning("logit screen: the bf16 GEMM exceeds its error bound here; not used")
             return None
+        if screen.amx_packed is not None:
+            start_screen_kernel()
         return screen
 
     def approx(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
-        """[N, H] bf16 -> [N, V] bf16 screen values."""
+        """[N, H] bf16 -> [N, V] bf16 screen values: the AMX kernel's once it is built and its
+        bound checked (then oneDNN's packed copy is dropped), oneDNN's until then."""
+        if self.amx_packed is not None and screen_kernel() is not None:
+            if not self._amx_checked:
+                self._amx_checked = True
+                if self.bound_holds(self.approx_amx):
+                    self.packed = None
+                    logger.info("logit screen: bf16 GEMM on AMX tiles (screen_amx.cpp)")
+                else:
+                    logger.warning("logit screen: the AMX kernel exceeds the error bound here; "
+                                   "oneDNN's GEMM stays")
+                    self.amx_packed = None
+                    return self.approx_onednn(hidden_bf16)
+            return self.approx_amx(hidden_bf16)
+        return self.approx_onednn(hidden_bf16)
+
+    def approx_onednn(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(hidden_bf16, self.packed, None, "none", [], "")
+
+    def approx_amx(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
+        return screen_kernel().screen_gemm(hidden_bf16, self.amx_packed, self.vocab_size)
 
     def bounds(self, hidden: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
         """e [N, V]: the screen's error bound for each row and token (torch, for the probe
@@ -145,13 +175,14 @@ class LogitScreen:
         return (a[:, None] * self.w_norm.double() + h_norm[:, None] * self.w_rest.double()
                 + self.c * approx.double().abs())
 
-    def bound_holds(self, rows: int = 4) -> bool:
-        """The bound against this machine's bf16 GEMM on probe rows (float64 products)."""
+    def bound_holds(self, gemm, rows: int = 4) -> bool:
+        """The bound against `gemm` (approx_onednn or approx_amx: this machine's bf16 GEMM)
+        on probe rows (float64 products)."""
         gen = torch.Generator().manual_seed(0)
         hidden = torch.randn(rows, self.weight.shape[1], generator=gen) * 3
         hidden[:, :4] *= 30  # a few large activations, as real hidden states have
         with torch.inference_mode():
-            approx = self.approx(hidden.to(torch.bfloat16))
+            approx = gemm(hidden.to(torch.bfloat16))
             exact = hidden.double() @ self.weight.double().t()
             return bool(((approx.double() - exact).abs() <= self.bounds(hidden, approx)).all())
 

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from plait.kernels.screen_amx import amx_capable, screen_kernel, start_screen_kernel
 from plait.messages import TokenizedGenerateReq
 from plait.runtime.logit_screen import LogitScreen, has_bf16_units
 from tests.runtime.test_scheduler import outputs
@@ -42,7 +43,7 @@ def screen_ops(fused_ops):
 def test_the_bound_holds_and_picks_are_the_fp32_argmax(screen_ops):
     w = _weight()
     screen = LogitScreen.build(w)
-    assert screen is not None and screen.bound_holds()
+    assert screen is not None and screen.bound_holds(screen.approx_onednn)
     for rows, seed in ((1, 1), (7, 2), (33, 3)):
         h = _hidden(w, rows, seed)
         approx = screen.approx(h.to(torch.bfloat16))
@@ -52,6 +53,34 @@ def test_the_bound_holds_and_picks_are_the_fp32_argmax(screen_ops):
         full = h @ w.t()
         assert torch.equal(argmax, full.argmax(-1))
         torch.testing.assert_close(row_max, full.amax(-1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(not amx_capable(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("vocab,hidden", [(6000, 576), (1000, 100)])
+def test_the_amx_kernel_keeps_the_bound_and_takes_over_from_onednn(screen_ops, vocab, hidden):
+    """screen_amx.cpp's GEMM: every value within the screen's bound of the exact product, at
+    row counts of one tile, two, and more than one group of 32, with a vocabulary and a width
+    that are no multiples of 32 (the padded tails); once built and checked, `approx` runs it
+    and drops oneDNN's copy, and the picks stay the fp32 argmax."""
+    assert start_screen_kernel(block=True) and screen_kernel() is not None
+    w = _weight(vocab, hidden, seed=6)
+    screen = LogitScreen.build(w, huge_pages=True)
+    assert screen.amx_packed is not None and screen.packed is not None
+    for rows, seed in ((1, 7), (17, 8), (70, 9)):
+        h = _hidden(w, rows, seed)
+        approx = screen.approx_amx(h.to(torch.bfloat16))
+        assert approx.shape == (rows, vocab) and approx.dtype == torch.bfloat16
+        exact = h.double() @ w.double().t()
+        assert ((approx.double() - exact).abs() <= screen.bounds(h, approx)).all()
+        # no value off by more than oneDNN's own rounding of the same sums
+        onednn = screen.approx_onednn(h.to(torch.bfloat16))
+        assert ((approx.double() - onednn.double()).abs()
+                <= 2.0**-7 * onednn.double().abs() + 1e-3).all()
+    h = _hidden(w, 5, seed=10)
+    _, argmax = screen(h, vocab).picks()  # the first call checks the AMX bound, then switches
+    assert screen.packed is None and screen.amx_packed is not None
+    assert torch.equal(argmax, (h @ w.t()).argmax(-1))
 
 
 @pytest.mark.heavy

@@ -1,0 +1,160 @@
+// The logit screen's bf16 GEMM (plait/runtime/logit_screen.py) on the CPU's AMX tiles: the
+// screen values x[r, j] = bf16(fp32 sum over k of hb[r, k] * Wb[j, k]) of every token j for a
+// few hidden rows, streaming the bf16 output embedding once.
+//
+// Why not oneDNN's bf16 linear, which also runs on AMX: at 1-32 rows the GEMM is a stream of
+// the weight (SmolLM2: 49,152 x 576 bf16, 57 MB), and on the Intel Xeon VM, the weight cold
+// (a 600 MB write between calls), 2 threads, medians, oneDNN took 2.9-3.0 ms at 1-8 rows
+// (19 GB/s) and 3.8 at 32; this loop 2.1-2.2 ms (a plain sum over the same bytes: 2.0 ms) and
+// 2.85 at 32, where the tile products no longer hide under the stream. The values need not
+// equal oneDNN's: both are fp32 accumulations of exact bf16 products, inside the screen's error
+// bound, which the caller checks against this kernel before using it.
+//
+// Layout (pack_weight, in logit_screen.py, writes it): the weight padded to V' (a multiple of
+// 32 tokens) x K' (a multiple of 32) and cut into blocks of 32 tokens; within a block, for each
+// 32 inputs, two 1 KB tiles (tokens 0-15 and 16-31) of 16 input pairs x 16 tokens x 2 (AMX's
+// pair-interleaved B layout): [V'/32][K'/32][2][16][16][2]. A thread takes a contiguous run of
+// blocks, so each thread's weight stream is sequential (the hardware prefetcher runs ahead of
+// it), and prefetches the stream kAhead tile pairs on besides, 2 KB with each pair it takes
+// (a block's 18 KB at once overflowed the line fill buffers: 2.7 ms cold, not 2.1).
+//
+// Tiles: 0-1 hidden rows 0-15 and 16-31 of a group of 32; 2-3 the block's two token halves;
+// 4-7 the four 16 x 16 fp32 results (up to 32 rows: tiles of exactly the rows there are;
+// beyond, rows padded with zeros to a multiple of 16, never written out).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+namespace {
+
+constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an XSAVE feature
+constexpr int kXfeatureXtiledata = 18;     // AMX tile data
+constexpr int64_t kBlock = 32;             // tokens per block
+constexpr int64_t kAhead = 8;              // tile pairs prefetched ahead (16 KB)
+
+// Linux gives a process AMX state only when asked (once per process; threads inherit it)
+bool request_amx() {
+  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// hidden-row tiles (0, 1) and their result tiles (4-5, 6-7) of rows0 and rows1 rows
+void configure_tiles(int rows0, int rows1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[4] = cfg.rows[5] = rows0;
+  cfg.rows[1] = cfg.rows[6] = cfg.rows[7] = rows1;
+  _tile_loadconfig(&cfg);
+}
+
+// rows [r0, r0 + rows) (rows <= 32; the hidden copy holds 16 * ceil(rows / 16) of them) of the
+// screen values of one block of 32 tokens
+void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kb, int64_t rows,
+                bool prefetch, float (*c)[kBlock]) {
+  const bool two = rows > 16;
+  _tile_zero(4);
+  _tile_zero(5);
+  if (two) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  for (int64_t k = 0; k < kb; k++) {
+    const uint16_t* tile = w + k * 1024;
+    if (prefetch) {  // the stream kAhead tile pairs (2 KB each) on: spread, not in bursts
+      const char* pf = reinterpret_cast<const char*>(tile + kAhead * 1024);
+      for (int a = 0; a < 2048; a += 64) _mm_prefetch(pf + a, _MM_HINT_T0);
+    }
+    _tile_loadd(2, tile, 64);
+    _tile_loadd(3, tile + 512, 64);
+    _tile_loadd(0, x + k * 32, ldx * 2);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    if (two) {
+      _tile_loadd(1, x + 16 * ldx + k * 32, ldx * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  _tile_stored(4, &c[0][0], kBlock * 4);
+  _tile_stored(5, &c[0][16], kBlock * 4);
+  if (two) {
+    _tile_stored(6, &c[16][0], kBlock * 4);
+    _tile_stored(7, &c[16][16], kBlock * 4);
+  }
+}
+
+// hidden [M, K] bf16, packed (pack_weight's layout) -> [M, vocab] bf16 screen values
+torch::Tensor screen_gemm(const torch::Tensor& hidden, const torch::Tensor& packed, int64_t vocab) {
+  TORCH_CHECK(request_amx(), "screen_gemm: the kernel gives this process no AMX state");
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == torch::kBFloat16 &&
+                  hidden.dim() == 2,
+              "hidden: [M, K] bfloat16 CPU rows");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.dim() == 6 && packed.size(2) == 2 && packed.size(3) == 16 &&
+                  packed.size(4) == 16 && packed.size(5) == 2,
+              "packed: [V'/32, K'/32, 2, 16, 16, 2] bfloat16 (pack_weight)");
+  const int64_t M = hidden.size(0), K = hidden.size(1);
+  const int64_t blocks = packed.size(0), kb = packed.size(1), Kp = kb * 32;
+  TORCH_CHECK(K <= Kp && Kp - K < 32, "hidden: ", K, " inputs against a packed width of ", Kp);
+  TORCH_CHECK(vocab > 0 && vocab <= blocks * kBlock && vocab > (blocks - 1) * kBlock,
+              "vocab: ", vocab, " tokens against ", blocks, " packed blocks of 32");
+  auto out = torch::empty({M, vocab}, hidden.options());
+  if (M == 0) return out;
+  // Up to 32 rows the tiles take exactly M rows (fewer rows, faster tile products: 2.07 ms at
+  // 1 row, 2.29 at 16, cold); beyond, groups of 32 with the rows padded to a multiple of 16.
+  // The hidden rows are copied, zero-padded to Kp inputs (and to those rows).
+  const bool exact = M <= 32;
+  const int rows0 = exact ? std::min<int64_t>(M, 16) : 16;
+  const int rows1 = exact ? std::max<int64_t>(M - 16, 1) : 16;
+  const int64_t Mp = exact ? M : (M + 15) / 16 * 16;
+  auto xpad = torch::zeros({Mp, Kp}, hidden.options());
+  xpad.narrow(0, 0, M).narrow(1, 0, K).copy_(hidden);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t block_elems = kb * 1024;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    configure_tiles(rows0, rows1);
+    alignas(64) float c[32][kBlock];
+    for (int64_t th = t0; th < t1; th++) {
+      const int64_t b0 = blocks * th / threads, b1 = blocks * (th + 1) / threads;
+      for (int64_t b = b0; b < b1; b++) {
+        const uint16_t* w = wp + b * block_elems;
+        const int64_t j0 = b * kBlock, cols = std::min<int64_t>(kBlock, vocab - j0);
+        const __mmask32 keep = cols == kBlock ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+        for (int64_t r0 = 0; r0 < M; r0 += 32) {
+          const int64_t rows = std::min<int64_t>(32, M - r0);
+          block_rows(xp + r0 * Kp, Kp, w, kb, rows, r0 == 0, c);
+          for (int64_t r = 0; r < rows; r++) {  // round to bf16 (nearest even), as oneDNN does
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(&c[r][16]),
+                                                   _mm512_load_ps(&c[r][0]));
+            _mm512_mask_storeu_epi16(op + (r0 + r) * vocab + j0, keep, (__m512i)v);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+bool available() { return request_amx(); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("screen_gemm", &screen_gemm,
+        "[M, K] bf16 hidden rows x the packed bf16 weight -> [M, vocab] bf16 screen values");
+  m.def("available", &available, "whether Linux gives this process AMX tile state");
+}
