@@ -32,6 +32,15 @@
 //   on contiguous, scheduler and served layouts alike. Further ahead, or into L2, was slower
 //   there (AMD EPYC); on the Intel Xeon VM into L2 was 1.05-1.12x faster at batch 1-32 (its
 //   cores' line fill buffers, not L2's queue, bound the misses in flight), further ahead even.
+//   There, with fp32 pools, the spread was still too coarse: a unit's prefetches (two rows'
+//   26 lines in a score unit, five rows' 65 in a V unit) overflowed the 16 fill buffers, and
+//   the unit's arithmetic waited behind them, so the step took the memory's time plus the
+//   arithmetic's (SmolLM2 at batch 32: 19.4 ms for 30 layers against 17.0 for the same loop
+//   with the arithmetic taken out). Now a Cursor issues the next block's lines one at a time
+//   from inside the arithmetic (every other K vector of score_block, four per token of
+//   v_block): 17.0 ms, decode_attention.py's scheduler layout 1.05-1.09x at batch 1-32, a
+//   SmolLM2 decode step 0.99x / 0.95x / 0.92x at batch 1 / 8 / 32. bf16 pools (6 lines a row)
+//   keep the per-unit spread: the cursor measured 0.86-0.97x for them.
 // * A shared prefix has many query rows per kv head (its n members' G heads; judge: 192): from
 //   GEMM_ROWS rows on, the block's K rows are transposed once and the scores are a small GEMM
 //   (score_rows_gemm), which does the multiply-adds without per-score sums; from LANES_ROWS on
@@ -206,6 +215,30 @@ inline void prefetch_row(const KV* row, int64_t n) {
   _mm_prefetch(p + bytes - 1, PLAIT_STREAM_HINT);
 }
 
+// The next block's K rows, then its V rows, prefetched a line at a time from inside the
+// current block's arithmetic (step(): score_block and v_block call it as they go), so that
+// the line fill buffers take prefetches as fast as lines arrive, the multiply-adds running
+// meanwhile; finish() issues whatever the block's arithmetic did not reach.
+// (bf16 pools keep their per-unit prefetches: ON false, steps compiled away.)
+template <bool ON>
+struct Cursor {
+  const char* rows[2 * W];
+  int64_t nrows = 0, lines = 0;  // rows, lines a row
+  int64_t r = 0, l = 0;  // the next line: row r, line l
+  inline void step() {
+    if (ON && r < nrows) {
+      _mm_prefetch(rows[r] + l * 64, PLAIT_STREAM_HINT);
+      if (++l == lines) l = 0, r++;
+    }
+  }
+  inline void finish() {
+    while (ON && r < nrows) step();
+  }
+};
+
+template <typename KV>
+using KVCursor = Cursor<std::is_same_v<KV, float>>;
+
 struct Shape {
   int64_t H, R, D, nvec, tail, Dp;  // Dp = nvec * W, the padded row length of scratch rows
 };
@@ -218,7 +251,7 @@ struct Shape {
 // each token through a store-to-load round trip, ~2.5x slower (kVRows/kVVecs below).
 template <typename KV, int RB, int NV, bool TAIL>
 void v_block(const KV* const* vrows, int64_t nt, const float* p, const float* alpha,
-             int64_t d0, int64_t tail, float* o, int64_t o_stride) {
+             int64_t d0, int64_t tail, float* o, int64_t o_stride, KVCursor<KV>& pf) {
   vec acc[RB][NV];
   for (int r = 0; r < RB; r++) {
     const vec a = vset1(alpha[r]);
@@ -226,6 +259,7 @@ void v_block(const KV* const* vrows, int64_t nt, const float* p, const float* al
   }
   for (int64_t t = 0; t < nt; t++) {
     const KV* v = vrows[t] + d0;
+    for (int i = 0; i < 4; i++) pf.step();
     vec pr[RB];
     for (int r = 0; r < RB; r++) pr[r] = vset1(p[r * W + t]);
     for (int j = 0; j < NV; j++) {
@@ -239,7 +273,7 @@ void v_block(const KV* const* vrows, int64_t nt, const float* p, const float* al
 
 template <typename KV>
 using VBlockFn = void (*)(const KV* const*, int64_t, const float*, const float*, int64_t,
-                          int64_t, float*, int64_t);
+                          int64_t, float*, int64_t, KVCursor<KV>&);
 
 #if defined(__AVX512F__)
 constexpr int64_t kVRows = 4, kVVecs = 4;  // 16 accumulators of 32 registers
@@ -275,12 +309,16 @@ VBlockFn<KV> v_block_fn(int64_t rb, int64_t nv, bool tail) {
 
 // the W scores s[t] = q . k_t of one query row against a block of W key rows (D elements each)
 template <typename KV>
-inline vec score_block(const float* q, const KV* const* krow, const Shape& sh) {
+inline vec score_block(const float* q, const KV* const* krow, const Shape& sh,
+                       KVCursor<KV>& pf) {
   vec acc[W];
   for (int64_t t = 0; t < W; t++) acc[t] = vzero();
   for (int64_t j = 0; j < sh.nvec - 1; j++) {
     const vec qv = vload(q + j * W);
-    for (int64_t t = 0; t < W; t++) acc[t] = vfma(qv, vload(krow[t] + j * W), acc[t]);
+    for (int64_t t = 0; t < W; t++) {
+      acc[t] = vfma(qv, vload(krow[t] + j * W), acc[t]);
+      if (!(t & 1)) pf.step();
+    }
   }
   const int64_t j = sh.nvec - 1;
   const vec qv = vload(q + j * W);
@@ -562,16 +600,35 @@ void attend_chunk(const float* qs, const Shape& sh, const KV* kbuf, const KV* vb
     sc.s.resize(R * W);
     sc.kt.resize(Dp * W);
   }
+  constexpr bool kCursor = std::is_same_v<KV, float>;
   alignas(64) float lane[W];
+  // the lines of a pool row's span (rows start on a line where the pool, the run's first head
+  // and the row length are line-aligned: then no line beyond the span)
+  const int64_t span_bytes = span * int64_t(sizeof(KV));
+  const bool aligned = ((reinterpret_cast<uintptr_t>(kbuf) | reinterpret_cast<uintptr_t>(vbuf) |
+                         uintptr_t(row * int64_t(sizeof(KV))) | uintptr_t(span_bytes)) & 63) == 0;
+  const int64_t row_lines = span_bytes / 64 + (aligned ? 0 : 1);
   for (int64_t t = 0; t < std::min(PREFETCH_AHEAD, n); t++) {
     prefetch_row(kbuf + slots[t] * row, span);
     prefetch_row(vbuf + slots[t] * row, span);
   }
   for (int64_t t0 = 0; t0 < n; t0 += W) {
     const int64_t nt = std::min(W, n - t0);
-    // tokens [pf0, pf1) get their K rows prefetched a few per score unit (one query row), and
-    // their V rows a few per V-pass unit (up to 4 query rows), not all at once (see header)
+    // tokens [pf0, pf1): fp32 pools prefetch their K rows, then their V rows, a line at a time
+    // from inside the block's arithmetic (Cursor); bf16 pools (half the lines a token) a few
+    // rows per score unit (one query row) and V-pass unit (up to 4 query rows), which measured
+    // faster for them (see the header)
     const int64_t pf0 = t0 + PREFETCH_AHEAD, pf1 = std::min(pf0 + W, n);
+    KVCursor<KV> pf;
+    pf.lines = row_lines;
+    for (int64_t t = pf0; kCursor && t < pf1; t++) {
+      pf.rows[pf.nrows] = reinterpret_cast<const char*>(
+          reinterpret_cast<uintptr_t>(kbuf + slots[t] * row) & ~uintptr_t(63));
+      pf.rows[pf.nrows + pf1 - pf0] = reinterpret_cast<const char*>(
+          reinterpret_cast<uintptr_t>(vbuf + slots[t] * row) & ~uintptr_t(63));
+      pf.nrows++;
+    }
+    pf.nrows *= 2;
     const KV* krow[W];
     const KV* vrow[W];
     for (int64_t t = 0; t < W; t++) {  // past the end: the last row again (probability 0)
@@ -588,8 +645,9 @@ void attend_chunk(const float* qs, const Shape& sh, const KV* kbuf, const KV* vb
       if (gemm) score_rows_gemm(qs + h * R * Dp, R, kh, sh, sc.kt.data(), sc.s.data());
       for (int64_t r = 0; r < R; r++) {
         const int64_t hr = h * R + r;
-        for (int64_t t = pf0 + hr; t < pf1; t += HR) prefetch_row(kbuf + slots[t] * row, span);
-        const vec sv = gemm ? vload(sc.s.data() + r * W) : score_block(qs + hr * Dp, kh, sh);
+        if constexpr (!kCursor)
+          for (int64_t t = pf0 + hr; t < pf1; t += HR) prefetch_row(kbuf + slots[t] * row, span);
+        const vec sv = gemm ? vload(sc.s.data() + r * W) : score_block(qs + hr * Dp, kh, sh, pf);
         // lanes past nt repeat the last row's score: the max is the block's
         const float m_new = std::max(sc.m[hr], vhmax(sv));
         // 0 on the first block; 1 (no exp) while the max stands, as it mostly does
@@ -607,16 +665,18 @@ void attend_chunk(const float* qs, const Shape& sh, const KV* kbuf, const KV* vb
       for (int64_t r0 = 0; r0 < R; r0 += kVRows) {
         const int64_t rb = std::min<int64_t>(kVRows, R - r0);
         const int64_t hr = h * R + r0;
-        for (int64_t t = pf0 + h * row_blocks + r0 / kVRows; t < pf1; t += H * row_blocks)
-          prefetch_row(vbuf + slots[t] * row, span);
+        if constexpr (!kCursor)
+          for (int64_t t = pf0 + h * row_blocks + r0 / kVRows; t < pf1; t += H * row_blocks)
+            prefetch_row(vbuf + slots[t] * row, span);
         for (int64_t j0 = 0; j0 < sh.nvec; j0 += kVVecs) {
           const int64_t nv = std::min<int64_t>(kVVecs, sh.nvec - j0);
           const bool tail = j0 + nv == sh.nvec && sh.tail < W;
           v_block_fn<KV>(rb, nv, tail)(vh, nt, p + hr * W, sc.alpha.data() + hr, j0 * W, sh.tail,
-                                   o + hr * Dp, Dp);
+                                   o + hr * Dp, Dp, pf);
         }
       }
     }
+    pf.finish();
   }
   for (int64_t hr = 0; hr < HR; hr++) {
     const float inv = 1.0f / sc.l[hr];
