@@ -242,6 +242,11 @@ class ServerArgs:
         "full fp32 logits instead of screening them in bf16 and computing only the few "
         "candidate tokens exactly (the same tokens; plait/runtime/logit_screen.py)",
     )
+    disable_fused_silu: bool = _opt(
+        False, "CPU float32: write each MLP's gate_up product and apply silu(gate) * up in a "
+        "second pass, instead of in the linear's epilogue (the same results; "
+        "plait/kernels/woq.py GateUpPanelLinear)",
+    )
     disable_screen_kernel: bool = _opt(
         False, "on a CPU with AMX-BF16, run the logit screen's bf16 GEMM through oneDNN instead "
         "of plait's AMX kernel (plait/kernels/screen_amx.cpp; the same tokens)",

@@ -826,6 +826,7 @@ void* entry_point(const py::handle& entry, const std::string& name, const char* 
 
 struct Linear {
   int kind = 0;  // 0 fp32, 1 int8, 2 int4
+  bool silu = false;  // fp32_linear_silu: the output is silu(gate) * up already
   void* fn = nullptr;
   std::vector<Tensor> w;  // the kernel's operands after x, N last
   int64_t n = 0;
@@ -853,8 +854,9 @@ Linear make_linear(const py::tuple& spec) {
   const std::string name = spec[0].cast<std::string>();
   const py::tuple args = spec[2].cast<py::tuple>();
   Linear lin;
-  if (name == "fp32_linear") {
+  if (name == "fp32_linear" || name == "fp32_linear_silu") {
     lin.kind = 0, lin.fn = entry_point(spec[1], name, kFp32Signature);
+    lin.silu = name == "fp32_linear_silu";
   } else if (name == "int8_linear") {
     lin.kind = 1, lin.fn = entry_point(spec[1], name, kInt8Signature);
   } else if (name == "int4_linear") {
@@ -922,6 +924,8 @@ class DecodeLayers {
       l.o = make_linear(t[4].cast<py::tuple>());
       l.gate_up = make_linear(t[5].cast<py::tuple>());
       l.down = make_linear(t[6].cast<py::tuple>());
+      TORCH_CHECK(!l.qkv.silu && !l.o.silu && !l.down.silu,
+                  "decode layers: fp32_linear_silu only as the gate_up linear");
       l.post_w = t[7].cast<Tensor>(), l.post_eps = t[8].cast<double>();
       l.next_w = t[9].cast<Tensor>(), l.next_eps = t[10].cast<double>();
       l.k_buffer = k_buffers[i], l.v_buffer = v_buffers[i];
@@ -963,7 +967,7 @@ class DecodeLayers {
       clock.tick(kNorm);
       const Tensor gate_up = l.gate_up(h);
       clock.tick(kGateUp);
-      const Tensor act = silu_mul(gate_up, silu_lanes_);
+      const Tensor act = l.gate_up.silu ? gate_up : silu_mul(gate_up, silu_lanes_);
       clock.tick(kSilu);
       const Tensor m = l.down(act);
       clock.tick(kDown);

@@ -346,6 +346,72 @@ class PanelLinear(_PanelLinear):
         return out[:, : self.out_features].contiguous()
 
 
+def gate_up_order(intermediate: int) -> torch.Tensor:
+    """The rows of a fused [gate; up] weight in GateUpPanelLinear's panel order: per 16
+    features, the 16 gate rows, then the same features' 16 up rows (a 32-feature panel: its
+    first vector the gate's, its second the up's)."""
+    blocks = torch.arange(intermediate).view(-1, 16)
+    return torch.cat((blocks, blocks + intermediate), dim=1).reshape(-1)
+
+
+class GateUpPanelLinear(PanelLinear):
+    """An MLP's fused gate_up projection whose panels pair each gate feature with its up
+    feature, so that fp32_linear_silu returns silu(gate) * up in one pass: the product
+    [M, 2 I] is never written, and no separate silu_mul pass reads it back (SmolLM2 at batch
+    32: that pass took ~1.4 ms of a decode step, mostly the product's cache lines moving
+    between the cores). Bit for bit the unfused path's result (fused_cpu.cpp's silu_mul, which
+    is torch's): the same panel products, then the same elementwise arithmetic. Where the
+    fused kernel does not run (the AVX2 build, kernels still loading), `forward` gives the plain
+    product in its usual order and `silu_product` the product through ops.silu_mul."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        intermediate = weight.shape[0] // 2
+        order = gate_up_order(intermediate)
+        _PanelLinear.__init__(self, weight, None)
+        self.intermediate = intermediate
+        self.register_buffer("panels", to_panels_fp32(weight[order], PANEL), persistent=False)
+        self.register_buffer("inverse", torch.argsort(order), persistent=False)
+
+    @classmethod
+    def applies(cls, linear: nn.Module) -> bool:
+        """Whether a gate_up projection can take this form: a PanelLinear without bias in
+        32-feature panels, its intermediate width a multiple of 32 (silu_mul's vector pairs:
+        no scalar tail, as in torch)."""
+        return (type(linear) is PanelLinear and linear.bias is None
+                and linear.panels.shape[2] == PANEL and linear.out_features % 64 == 0)
+
+    @classmethod
+    def from_panel_linear(cls, linear: PanelLinear) -> GateUpPanelLinear:
+        return cls(linear.dequantized())
+
+    def dequantized(self) -> torch.Tensor:  # [2 I, in] in the plain order (gate; up)
+        return from_panels_fp32(self.panels, self.out_features)[self.inverse]
+
+    def _fused(self):
+        ops = _linear_ops
+        return getattr(ops, "fp32_linear_silu", None) if ops is not None else None
+
+    def kernel_call(self) -> tuple | None:
+        """fp32_linear_silu (the lean loops take its [M, I] output as the MLP's activation) where
+        the loaded build has it, else fp32_linear (whose product is in the panel order: not
+        usable as the plain one, so None then)."""
+        fn = self._fused()
+        return None if fn is None else (fn, (self.panels, self.out_features))
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_bf16(x.shape[0]):
+            return self.bf16_product(x).float()
+        return super()._linear(x)[:, self.inverse]  # the panels' order back to gate; up
+
+    def silu_product(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """silu(gate) * up of x [T, in] -> [T, I] (ops: FusedOps, for the unfused path)."""
+        fn = self._fused()
+        if fn is not None and not self.takes_bf16(x.shape[0]):
+            x2 = x.reshape(-1, self.in_features).float().contiguous()
+            return fn(x2, self.panels, self.out_features).view(*x.shape[:-1], self.intermediate)
+        return ops.silu_mul(self(x))
+
+
 class _QuantizedLinear(_PanelLinear):
     """A weight-only quantized linear; `isa` picks a kernel build (default: the best this CPU
     runs), loaded (or built) here: there is no torch fallback for these formats."""

@@ -157,7 +157,42 @@ struct Dest {
   int64_t ldo;
   int64_t cols;
   const float* col_scale;
+  // the panel holds gate features j and up features j (its vector pairs' two halves; woq.py's
+  // interleave_gate_up): write silu(gate) * up, 16 columns a panel, at out (fp32_linear_silu)
+  bool silu = false;
 };
+
+#if defined(__AVX512F__)
+// silu(gate) * up bit for bit as fused_cpu.cpp's silu_mul (torch's Vectorized<float> silu:
+// g / (1 + exp(-g)), exp Sleef's expf u10), operation for operation. No product here feeds
+// an addition (the compiler could fuse the two: fused_cpu.cpp is built with
+// -ffp-contract=off, this file is not), so the written FMAs are the only ones.
+inline vf silu_mul_exact(vf g, vf u) {
+  const vf d = _mm512_sub_ps(_mm512_setzero_ps(), g);  // exp(-g)
+  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)));
+  const vf qf = _mm512_cvtepi32_ps(q);
+  vf s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
+  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+  vf e = _mm512_set1_ps(0.000198527617612853646278381f);
+  e = _mm512_fmadd_ps(e, s, _mm512_set1_ps(0.00139304355252534151077271f));
+  e = _mm512_fmadd_ps(e, s, _mm512_set1_ps(0.00833336077630519866943359f));
+  e = _mm512_fmadd_ps(e, s, _mm512_set1_ps(0.0416664853692054748535156f));
+  e = _mm512_fmadd_ps(e, s, _mm512_set1_ps(0.166666671633720397949219f));
+  e = _mm512_fmadd_ps(e, s, _mm512_set1_ps(0.5f));
+  e = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), e, s));
+  auto pow2i = [](__m512i k) {  // 2^k for integral k in [-126, 127]
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23));
+  };
+  const __m512i half = _mm512_srai_epi32(q, 1);
+  e = _mm512_mul_ps(_mm512_mul_ps(e, pow2i(half)), pow2i(_mm512_sub_epi32(q, half)));
+  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), e,
+                           _mm512_setzero_ps());  // underflow: 0
+  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), e,
+                           _mm512_set1_ps(INFINITY));  // overflow: inf
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+#endif
 
 inline void store_vec(const Dest& d, float* p, int64_t c, vf a) {
   if (d.col_scale) a = vmul(a, vload(d.col_scale + c));
@@ -167,6 +202,14 @@ inline void store_vec(const Dest& d, float* p, int64_t c, vf a) {
 
 inline void store_pair(const Dest& d, int64_t m, int h, vf a0, vf a1) {
   float* row = d.out + m * d.ldo;
+#if defined(__AVX512F__)
+  if (d.silu) {
+    const vf v = silu_mul_exact(a0, a1);
+    if (d.cols >= W) vstore(row, v);
+    else if (d.cols > 0) vstore_n(row, v, d.cols);
+    return;
+  }
+#endif
   store_vec(d, row, h * W, a0);
   store_vec(d, row, 16 + h * W, a1);
 }
@@ -939,12 +982,20 @@ void panel_pair_blocks_quantized(const float* x, int64_t K, const Weights& wa,
 }
 #endif
 
-// out[M, N] = x[M, K] @ W.T over panels; make_weights(p) gives panel p's weight source.
+// out[M, N] = x[M, K] @ W.T over panels; make_weights(p) gives panel p's weight source. With
+// `silu` (fp32 panels of gate and up features, AVX-512): out[M, N / 2] = silu(gate) * up.
 template <class MakeWeights>
 void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
-                const float* col_scale, MakeWeights make_weights) {
+                const float* col_scale, MakeWeights make_weights, bool silu = false) {
   if (M == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
+  // where panel p's tiles write
+  auto dest = [&](int64_t p) -> Dest {
+    if (silu) return {out + p * (kPanel / 2), N / 2, std::min(kPanel, N - p * kPanel) / 2,
+                      nullptr, true};
+    return {out + p * kPanel, N, std::min(kPanel, N - p * kPanel),
+            col_scale ? col_scale + p * kPanel : nullptr};
+  };
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t block_rows = (M + blocks - 1) / blocks;  // even blocks: no 1-row remnant
 #if defined(__AVX512F__)
@@ -964,13 +1015,12 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
           const int64_t b = i % row_blocks, q = i / row_blocks;
           const int64_t r0 = b * rows, r1 = std::min(M, r0 + rows);
           const int64_t p = 2 * q;
-          const Dest d0{out + p * kPanel, N, std::min(kPanel, N - p * kPanel), nullptr};
+          const Dest d0 = dest(p);
           if (p + 1 == panels) {
             panel_rows_fp32(x, K, make_weights(p), d0, r0, r1, nullptr);
             continue;
           }
-          const Dest d1{out + (p + 1) * kPanel, N, std::min(kPanel, N - (p + 1) * kPanel),
-                        nullptr};
+          const Dest d1 = dest(p + 1);
           // the next pair is prefetched by the pair's last row block only (the next item)
           const int64_t next_panels =
               b + 1 < row_blocks ? 0 : std::min<int64_t>(2, panels - p - 2);
@@ -1017,8 +1067,7 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
     for (int64_t r0 = 0; r0 < M; r0 += block_rows) {
       const int64_t r1 = std::min(M, r0 + block_rows);
       for (int64_t p = p0; p < p1; p++) {
-        const Dest d{out + p * kPanel, N, std::min(kPanel, N - p * kPanel),
-                     col_scale ? col_scale + p * kPanel : nullptr};
+        const Dest d = dest(p);
         if constexpr (std::is_same_v<decltype(make_weights(p)), Fp32Weights>)
           panel_rows_fp32(x, K, make_weights(p), d, r0, r1,
                           p + 1 < panels ? make_weights(p + 1).w : nullptr);
@@ -1199,8 +1248,32 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, int64_t N) {
   return out;
 }
 
+#if defined(__AVX512F__)
+// silu(gate) * up of a fused gate_up projection in one pass: w holds 32-feature fp32 panels whose
+// features j < 16 are gate features and j >= 16 the up features of the same 16 (woq.py's
+// interleave_gate_up); N = 2 x intermediate, a multiple of 32. Returns [M, N / 2], equal to
+// fused_cpu.cpp's silu_mul of fp32_linear's product in the plain order.
+torch::Tensor fp32_linear_silu(torch::Tensor x, torch::Tensor w, int64_t N) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kPanel && w.scalar_type() == torch::kFloat &&
+              w.is_contiguous(), "w must be contiguous float32 panels [P, K, 32]");
+  const int64_t P = w.size(0), K = w.size(1), M = x.size(0);
+  TORCH_CHECK(N % kPanel == 0 && N == P * kPanel,
+              "N must be the panels' 32 P features (gate and up interleaved by 16)");
+  check_x(x, K);
+  auto out = torch::empty({M, N / 2}, x.options());
+  const float* wp = w.data_ptr<float>();
+  panel_gemm(x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), nullptr,
+             [&](int64_t p) { return Fp32Weights{wp + p * K * kPanel}; }, true);
+  return out;
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_linear", &fp32_linear, "y = x @ W.T, W in 32- or 24-feature panels [P, K, 32|24]");
+#if defined(__AVX512F__)
+  m.def("fp32_linear_silu", &fp32_linear_silu,
+        "silu(gate) * up from 32-feature panels of interleaved gate and up features");
+#endif
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale[:, None]).T, q in 32-feature panels");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min, group 32).T, 32-feature panels");
   m.attr("isa") = kIsa;
@@ -1210,6 +1283,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::dict d;
     d["fp32_linear"] = std::make_pair(reinterpret_cast<int64_t>(&fp32_linear),
                                       std::string("Tensor(Tensor x, Tensor w, int64 N)"));
+#if defined(__AVX512F__)
+    d["fp32_linear_silu"] = std::make_pair(reinterpret_cast<int64_t>(&fp32_linear_silu),
+                                           std::string("Tensor(Tensor x, Tensor w, int64 N)"));
+#endif
     d["int8_linear"] = std::make_pair(
         reinterpret_cast<int64_t>(&int8_linear),
         std::string("Tensor(Tensor x, Tensor w, Tensor scale, int64 N)"));

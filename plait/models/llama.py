@@ -158,6 +158,8 @@ class MLP(nn.Module):
             # 4,096 rows 17.2 ms against 12.6)
             gate, up = gate_up.bf16_product(x).split(self.intermediate, dim=-1)
             return down.bf16_product(nn.functional.silu(gate) * up).float()
+        if isinstance(gate_up, woq.GateUpPanelLinear):
+            return down(gate_up.silu_product(x, ops))  # silu * up in gate_up's epilogue
         return down(ops.silu_mul(gate_up(x)))
 
 
@@ -334,7 +336,10 @@ class LlamaForCausalLM(nn.Module):
             q = ops.rope_store_kv(qkv(h, *qkv_w), cos, sin, kb[i], vb[i], loc, heads, kv_heads)
             a = o(attend(q, i), *o_w)
             h = ops.add_rms_norm_(x, a, post_w, post_eps)
-            m = down(ops.silu_mul(gu(h, *gu_w)), *d_w)
+            act = gu(h, *gu_w)
+            if gu.__name__ != "fp32_linear_silu":  # (that one applies silu * up itself)
+                act = ops.silu_mul(act)
+            m = down(act, *d_w)
             h = ops.add_rms_norm_(x, m, next_w, next_eps)
         return h
 

@@ -22,6 +22,7 @@ from plait.kernels.cpu_attention import start_decode_kernel
 from plait.kernels.cpu_extend import start_extend_kernel
 from plait.kernels.fused_ops import start_fused_ops
 from plait.kernels.woq import (
+    GateUpPanelLinear,
     PanelLinear,
     available_isas,
     quantize_linears,
@@ -195,6 +196,8 @@ class ModelRunner:
                 if getattr(model, "packed_lm_head", None) is None:
                     model.packed_lm_head = PanelLinear(model.lm_head_weight)
                 quantize_linears(model.model, PanelLinear)  # those not quantized already
+                if not args.disable_fused_silu:
+                    self._fuse_gate_up_silu()
                 self._bf16_linears(args)
             start_linear_kernels()
             return
@@ -225,6 +228,14 @@ class ModelRunner:
                 module.use_bf16_from(rows)
         self.model.bf16_linear_rows = rows
         logger.info("decoder linears in bf16 from %d rows on", rows)
+
+    def _fuse_gate_up_silu(self) -> None:
+        """Each MLP's fp32 gate_up in the panel order whose kernel applies silu * up as it
+        writes (woq.GateUpPanelLinear: the same results, one pass less a layer)."""
+        for layer in getattr(self.model.model, "layers", []):
+            mlp = getattr(layer, "mlp", None)
+            if mlp is not None and GateUpPanelLinear.applies(getattr(mlp, "gate_up_proj", None)):
+                mlp.gate_up_proj = GateUpPanelLinear.from_panel_linear(mlp.gate_up_proj)
 
     def _logit_screen(self, args: ServerArgs) -> LogitScreen | None:
         """Greedy picks through a bf16 screen of the logits (logit_screen.py): on the CPU in

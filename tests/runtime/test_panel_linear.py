@@ -149,3 +149,39 @@ def test_kernel_rejects_mismatched_shapes(width):
         ops.fp32_linear(torch.randn(3, 17), panels, 40)
     with pytest.raises(RuntimeError, match="panels"):
         ops.fp32_linear(torch.randn(3, 16), panels, 70)
+
+
+@pytest.mark.skipif("avx512" not in woq.available_isas(), reason="fp32_linear_silu: AVX-512")
+@pytest.mark.parametrize("shape", [(3072, 576), (128, 64), (192, 100)])
+def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(fused_ops, shape):
+    """GateUpPanelLinear: silu(gate) * up from the kernel's epilogue, bit for bit the plain
+    product followed by fused_cpu.cpp's silu_mul (torch's), at every tile kind's row counts;
+    its plain forward and dequantized weight in the gate; up order; the torch fallback."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(*shape, generator=gen) * 0.1
+    plain = woq.PanelLinear(weight)
+    assert woq.GateUpPanelLinear.applies(plain)
+    fused = woq.GateUpPanelLinear.from_panel_linear(plain)
+    assert torch.equal(fused.dequantized(), weight)
+    name, _, _ = woq.kernel_entry(fused.kernel_call())
+    assert name == "fp32_linear_silu"
+    for rows in ROWS:
+        x = torch.randn(rows, shape[1], generator=gen) * 3
+        reference = fused_ops.silu_mul(plain(x))
+        assert torch.equal(fused.silu_product(x, fused_ops), reference), rows
+        assert torch.equal(fused(x), plain(x)), rows
+    assert not woq.GateUpPanelLinear.applies(woq.PanelLinear(torch.randn(96, 64)))  # I = 48
+    assert not woq.GateUpPanelLinear.applies(woq.PanelLinear(weight, torch.zeros(shape[0])))
+
+
+@pytest.mark.skipif("avx512" not in woq.available_isas(), reason="fp32_linear_silu: AVX-512")
+def test_gate_up_torch_fallback_before_the_kernels_load(fused_ops, monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(128, 64, generator=gen)
+    fused = woq.GateUpPanelLinear(weight)
+    x = torch.randn(5, 64, generator=gen)
+    expected = fused_ops.silu_mul(woq.PanelLinear(weight)(x))
+    monkeypatch.setattr(woq, "_linear_ops", None)
+    assert fused.kernel_call() is None
+    torch.testing.assert_close(fused(x), torch.nn.functional.linear(x, weight))
+    torch.testing.assert_close(fused.silu_product(x, fused_ops), expected)
