@@ -6,7 +6,7 @@
 // the weight (SmolLM2: 49,152 x 576 bf16, 57 MB), and on the Intel Xeon VM, the weight cold
 // (a 600 MB write between calls), 2 threads, medians, oneDNN took 2.9-3.0 ms at 1-8 rows
 // (19 GB/s) and 3.8 at 32; this loop 2.1-2.2 ms (a plain sum over the same bytes: 2.0 ms) and
-// 2.85 at 32, where the tile products no longer hide under the stream. The values need not
+// 2.7 at 32, where the tile products no longer hide under the stream. The values need not
 // equal oneDNN's: both are fp32 accumulations of exact bf16 products, inside the screen's error
 // bound, which the caller checks against this kernel before using it.
 //
@@ -15,8 +15,9 @@
 // 32 inputs, two 1 KB tiles (tokens 0-15 and 16-31) of 16 input pairs x 16 tokens x 2 (AMX's
 // pair-interleaved B layout): [V'/32][K'/32][2][16][16][2]. A thread takes a contiguous run of
 // blocks, so each thread's weight stream is sequential (the hardware prefetcher runs ahead of
-// it), and prefetches the stream kAhead tile pairs on besides, 2 KB with each pair it takes
-// (a block's 18 KB at once overflowed the line fill buffers: 2.7 ms cold, not 2.1).
+// it), and prefetches the stream kAhead tile pairs on into L2 besides, 2 KB with each pair it
+// takes (a block's 18 KB at once overflowed the line fill buffers: 2.7 ms cold, not 2.1; into
+// L2 and 16 pairs on rather than L1 and 8: 2.7 ms at 32 rows, not 2.85, 1-8 rows alike).
 //
 // Tiles: 0-1 hidden rows 0-15 and 16-31 of a group of 32; 2-3 the block's two token halves;
 // 4-7 the four 16 x 16 fp32 results (up to 32 rows: tiles of exactly the rows there are;
@@ -34,7 +35,7 @@ namespace {
 constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an XSAVE feature
 constexpr int kXfeatureXtiledata = 18;     // AMX tile data
 constexpr int64_t kBlock = 32;             // tokens per block
-constexpr int64_t kAhead = 8;              // tile pairs prefetched ahead (16 KB)
+constexpr int64_t kAhead = 16;             // tile pairs prefetched ahead (32 KB), into L2
 
 // Linux gives a process AMX state only when asked (once per process; threads inherit it)
 bool request_amx() {
@@ -72,7 +73,7 @@ void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kb, i
     const uint16_t* tile = w + k * 1024;
     if (prefetch) {  // the stream kAhead tile pairs (2 KB each) on: spread, not in bursts
       const char* pf = reinterpret_cast<const char*>(tile + kAhead * 1024);
-      for (int a = 0; a < 2048; a += 64) _mm_prefetch(pf + a, _MM_HINT_T0);
+      for (int a = 0; a < 2048; a += 64) _mm_prefetch(pf + a, _MM_HINT_T1);
     }
     _tile_loadd(2, tile, 64);
     _tile_loadd(3, tile + 512, 64);
