@@ -48,6 +48,12 @@ from plait.runtime.hugepages import huge_zeros
 logger = logging.getLogger(__name__)
 
 _PACK_BATCH_HINT = 64
+# rows up to which the AMX kernel runs the screen's GEMM (beyond, oneDNN's, whose copy stays):
+# at 64 rows and more its tile products outweigh the stream it saves (weight in cache:
+# plait-tiny's at 64 rows 2.41 vs 2.14 ms, 128 rows 4.61 vs 3.05; SmolLM2's cold at 128 rows
+# 7.07 vs 6.12), at 32 and fewer it wins either way (1.46 vs 1.85 ms hot, 2.6-2.7 vs 3.3-3.6
+# cold)
+AMX_ROWS = 32
 _OUTPUT_ROUNDING = 2.0**-7  # bf16 keeps 8 bits: 2^-8 relative, doubled as margin
 _NORM_SLACK = 1.0 + 1e-5  # the fp32 norms' own rounding
 
@@ -144,14 +150,15 @@ class LogitScreen:
         return screen
 
     def approx(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
-        """[N, H] bf16 -> [N, V] bf16 screen values: the AMX kernel's once it is built and its
-        bound checked (then oneDNN's packed copy is dropped), oneDNN's until then."""
-        if self.amx_packed is not None and screen_kernel() is not None:
+        """[N, H] bf16 -> [N, V] bf16 screen values: up to AMX_ROWS rows the AMX kernel's once
+        it is built and its bound checked, else oneDNN's."""
+        if (self.amx_packed is not None and hidden_bf16.shape[0] <= AMX_ROWS
+                and screen_kernel() is not None):
             if not self._amx_checked:
                 self._amx_checked = True
                 if self.bound_holds(self.approx_amx):
-                    self.packed = None
-                    logger.info("logit screen: bf16 GEMM on AMX tiles (screen_amx.cpp)")
+                    logger.info("logit screen: bf16 GEMM on AMX tiles (screen_amx.cpp) up to "
+                                "%d rows", AMX_ROWS)
                 else:
                     logger.warning("logit screen: the AMX kernel exceeds the error bound here; "
                                    "oneDNN's GEMM stays")

@@ -13,7 +13,7 @@ import torch
 
 from plait.kernels.screen_amx import amx_capable, screen_kernel, start_screen_kernel
 from plait.messages import TokenizedGenerateReq
-from plait.runtime.logit_screen import LogitScreen, has_bf16_units
+from plait.runtime.logit_screen import AMX_ROWS, LogitScreen, has_bf16_units
 from tests.runtime.test_scheduler import outputs
 
 needs_bf16 = pytest.mark.skipif(not has_bf16_units(), reason="no AMX / AVX512-BF16 on this CPU")
@@ -58,11 +58,12 @@ def test_the_bound_holds_and_picks_are_the_fp32_argmax(screen_ops):
 @pytest.mark.heavy
 @pytest.mark.skipif(not amx_capable(), reason="no AMX-BF16 on this CPU")
 @pytest.mark.parametrize("vocab,hidden", [(6000, 576), (1000, 100)])
-def test_the_amx_kernel_keeps_the_bound_and_takes_over_from_onednn(screen_ops, vocab, hidden):
+def test_the_amx_kernel_keeps_the_bound_and_takes_over_from_onednn(screen_ops, vocab, hidden,
+                                                                     monkeypatch):
     """screen_amx.cpp's GEMM: every value within the screen's bound of the exact product, at
     row counts of one tile, two, and more than one group of 32, with a vocabulary and a width
-    that are no multiples of 32 (the padded tails); once built and checked, `approx` runs it
-    and drops oneDNN's copy, and the picks stay the fp32 argmax."""
+    that are no multiples of 32 (the padded tails); once built and checked, `approx` runs it up
+    to AMX_ROWS rows (oneDNN beyond), and the picks stay the fp32 argmax."""
     assert start_screen_kernel(block=True) and screen_kernel() is not None
     w = _weight(vocab, hidden, seed=6)
     screen = LogitScreen.build(w, huge_pages=True)
@@ -77,10 +78,18 @@ def test_the_amx_kernel_keeps_the_bound_and_takes_over_from_onednn(screen_ops, v
         onednn = screen.approx_onednn(h.to(torch.bfloat16))
         assert ((approx.double() - onednn.double()).abs()
                 <= 2.0**-7 * onednn.double().abs() + 1e-3).all()
-    h = _hidden(w, 5, seed=10)
-    _, argmax = screen(h, vocab).picks()  # the first call checks the AMX bound, then switches
-    assert screen.packed is None and screen.amx_packed is not None
-    assert torch.equal(argmax, (h @ w.t()).argmax(-1))
+    calls = []
+    for name in ("approx_amx", "approx_onednn"):
+        fn = getattr(screen, name)
+        monkeypatch.setattr(screen, name, lambda x, _fn=fn, _name=name: calls.append(
+            (_name, x.shape[0])) or _fn(x))
+    for rows in (5, AMX_ROWS + 1):
+        h = _hidden(w, rows, seed=10)
+        _, argmax = screen(h, vocab).picks()  # the first call checks the AMX bound
+        assert torch.equal(argmax, (h @ w.t()).argmax(-1))
+    assert screen._amx_checked and screen.amx_packed is not None
+    assert ("approx_amx", 5) in calls and ("approx_onednn", AMX_ROWS + 1) in calls
+    assert ("approx_amx", AMX_ROWS + 1) not in calls
 
 
 @pytest.mark.heavy
