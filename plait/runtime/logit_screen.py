@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
 import torch
 
 from plait.kernels.cpp_build import cpu_flags
