@@ -8,6 +8,7 @@ recomputed continues exactly as it would have.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -133,11 +134,13 @@ def _check_logits(row_max: torch.Tensor, reqs: list[Req], errors: dict[int, Requ
     """Fail the rows that have no finite maximum (row_max [B], NaN propagated): NaN or +inf (a
     penalty or the model blew up), or -inf everywhere (nothing is allowed: the constraint has
     no continuation)."""
-    for i in (~torch.isfinite(row_max)).nonzero()[:, 0].tolist():
-        if i in errors:
+    # (one list of B floats checked in Python: under cProfile, torch's isfinite took ~0.1 ms a
+    # batch-32 step right after the forward, 7 us on its own; the Python check ~1 us)
+    for i, value in enumerate(row_max.tolist()):
+        if math.isfinite(value) or i in errors:
             continue
         r = reqs[i]
-        if row_max[i] == float("-inf"):
+        if value == float("-inf"):
             kind = r.sampling.constraint[0] if r.sampling.constraint else None
             why = "constraint allows no continuation"
             if len(r.output_ids) < r.sampling.min_new_tokens:
