@@ -124,7 +124,7 @@ inline vec vexp(vec d) {
 
 // rows of `work` floats each: below this many floats in all, one thread (a parallel region
 // costs more than a decode step's few thousand floats); larger inputs are split. 2^14, not
-// 2^16: at batch 16-32 the residual add + norm and the rotary + KV store then run on both
+// 2^16: SmolLM2's residual add + norm from 15 rows and rotary + KV store from 18 run on both
 // cores, whose caches each hold half of the linear's output they read (SmolLM2 decode step,
 // engines interleaved: batch 32 0.978x and 0.983x, batch 8-16 0.98-1.0x)
 inline int64_t grain_rows(int64_t work_per_row) {
