@@ -136,3 +136,12 @@ def test_unsupported_features_are_named(pattern, feature):
 def test_edge_anchors_and_named_groups_are_accepted():
     assert normalize_regex(r"^(?:a|b)$") == "[a-b]"
     assert re.fullmatch(normalize_regex(r"(?<year>\d{4})"), "2024")  # ECMA named group
+
+
+def test_uri_hosts_have_no_counted_label_repetition():
+    """xgrammar caches no token mask for a counted repetition: a uri's host labels are plain
+    stars (RFC 3986's reg-name has no label limit; formats.py), hostname keeps its 63."""
+    uri = FORMAT_PATTERNS["uri"]
+    assert "{0,61}" not in uri and "{0,2}" not in uri
+    assert re.fullmatch(uri, "https://" + "a" * 100 + ".example.org:8080/x?y=1")
+    assert not re.fullmatch(FORMAT_PATTERNS["hostname"], "a" * 64)
