@@ -10,7 +10,7 @@
 // equal oneDNN's: both are fp32 accumulations of exact bf16 products, inside the screen's error
 // bound, which the caller checks against this kernel before using it.
 //
-// Layout (pack_weight, in logit_screen.py, writes it): the weight padded to V' (a multiple of
+// Layout (screen_amx.py's pack_weight writes it): the weight padded to V' (a multiple of
 // 32 tokens) x K' (a multiple of 32) and cut into blocks of 32 tokens; within a block, for each
 // 32 inputs, two 1 KB tiles (tokens 0-15 and 16-31) of 16 input pairs x 16 tokens x 2 (AMX's
 // pair-interleaved B layout): [V'/32][K'/32][2][16][16][2]. A thread takes a contiguous run of
@@ -27,8 +27,6 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <cstring>
 
 namespace {
 
@@ -58,8 +56,8 @@ void configure_tiles(int rows0, int rows1) {
   _tile_loadconfig(&cfg);
 }
 
-// rows [r0, r0 + rows) (rows <= 32; the hidden copy holds 16 * ceil(rows / 16) of them) of the
-// screen values of one block of 32 tokens
+// rows [r0, r0 + rows) (rows <= 32; x holds as many rows as the tiles are configured for) of
+// the screen values of one block of 32 tokens
 void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kb, int64_t rows,
                 bool prefetch, float (*c)[kBlock]) {
   const bool two = rows > 16;
@@ -113,14 +111,18 @@ torch::Tensor screen_gemm(const torch::Tensor& hidden, const torch::Tensor& pack
   if (M == 0) return out;
   // Up to 32 rows the tiles take exactly M rows (fewer rows, faster tile products: 2.07 ms at
   // 1 row, 2.29 at 16, cold); beyond, groups of 32 with the rows padded to a multiple of 16.
-  // The hidden rows are copied, zero-padded to Kp inputs (and to those rows).
+  // The hidden rows are read in place when they need no padding, else from a zero-padded copy
+  // (to Kp inputs and those rows).
   const bool exact = M <= 32;
   const int rows0 = exact ? std::min<int64_t>(M, 16) : 16;
   const int rows1 = exact ? std::max<int64_t>(M - 16, 1) : 16;
   const int64_t Mp = exact ? M : (M + 15) / 16 * 16;
-  auto xpad = torch::zeros({Mp, Kp}, hidden.options());
-  xpad.narrow(0, 0, M).narrow(1, 0, K).copy_(hidden);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr<at::BFloat16>());
+  torch::Tensor x = hidden;
+  if (Mp != M || Kp != K || !hidden.is_contiguous()) {
+    x = torch::zeros({Mp, Kp}, hidden.options());
+    x.narrow(0, 0, M).narrow(1, 0, K).copy_(hidden);
+  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_elems = kb * 1024;

@@ -28,17 +28,22 @@ def amx_capable() -> bool:
     return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= flags
 
 
+def packed_shape(vocab: int, hidden: int) -> tuple[int, int, int, int, int, int]:
+    """pack_weight's layout for a [vocab, hidden] weight (both rounded up to 32)."""
+    return (-(-vocab // BLOCK), -(-hidden // BLOCK), 2, 16, 16, 2)
+
+
 def pack_weight(weight_bf16: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[V, K] bf16 -> the kernel's layout [V'/32, K'/32, 2, 16, 16, 2] (V', K' rounded up to 32,
     zero-padded): per block of 32 tokens and 32 inputs, two tiles (tokens 0-15, 16-31) of 16
     input pairs x 16 tokens x 2. `out`: a contiguous bf16 tensor of that many elements to
     write it to (on huge pages, say)."""
     v, k = weight_bf16.shape
-    vp, kp = -(-v // BLOCK) * BLOCK, -(-k // BLOCK) * BLOCK
+    shape = packed_shape(v, k)
+    vp, kp = shape[0] * BLOCK, shape[1] * BLOCK
     padded = torch.zeros(vp, kp, dtype=torch.bfloat16)
     padded[:v, :k] = weight_bf16
     blocks = padded.view(vp // BLOCK, 2, 16, kp // BLOCK, 16, 2).permute(0, 3, 1, 4, 2, 5)
-    shape = (vp // BLOCK, kp // BLOCK, 2, 16, 16, 2)
     if out is None:
         return blocks.contiguous()
     packed = out.view(shape)

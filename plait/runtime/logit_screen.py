@@ -37,13 +37,20 @@ forward, the picks (microseconds a row) when the sampler has the rows' masks.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
 from plait.kernels.cpp_build import cpu_flags
 from plait.kernels.fused_ops import fused_ops
-from plait.kernels.screen_amx import amx_capable, pack_weight, screen_kernel, start_screen_kernel
+from plait.kernels.screen_amx import (
+    amx_capable,
+    pack_weight,
+    packed_shape,
+    screen_kernel,
+    start_screen_kernel,
+)
 from plait.runtime.hugepages import huge_zeros
 
 logger = logging.getLogger(__name__)
@@ -119,8 +126,7 @@ class LogitScreen:
 
     @staticmethod
     def _pack_amx(wb: torch.Tensor, huge_pages: bool) -> torch.Tensor:
-        v, k = wb.shape
-        nbytes = -(-v // 32) * 32 * (-(-k // 32) * 32) * 2
+        nbytes = math.prod(packed_shape(*wb.shape)) * wb.element_size()
         arena = huge_zeros(nbytes) if huge_pages else None  # a 57 MB stream: 2 MB pages
         return pack_weight(wb, None if arena is None else arena.view(torch.bfloat16))
 
