@@ -293,12 +293,18 @@ def dev_schemas(model: str, backend: str, max_tokens: int) -> dict:
 
 
 def dev_costs(model: str, backend: str, max_tokens: int, files: list[Path] | None = None,
-              repeats: int = 2) -> dict:
+              repeats: int = 2, speculative_ngram: int | None = 0) -> dict:
     """Per-token cost of each dev schema against the same request unconstrained: one request at
     a time (batch 1, where a grammar's own work weighs most against the forward), the schema
     compiled and the prompt cached first; constrained greedy up to `max_tokens`, then the same
     prompt unconstrained for exactly as many tokens (ignore_eos); the better of `repeats` timed
-    runs each. cost = (constrained s / token) / (unconstrained s / token)."""
+    runs each. cost = (constrained s / token) / (unconstrained s / token).
+
+    n-gram speculation is off on both sides by default (speculative_ngram 0; None: the
+    engine's default): with it on, a step yields as many tokens as the model's text repeats
+    itself, and a random-weight model's free babble ("Rig Rig Rig ...") repeats more than its
+    JSON, so the ratio measured how repetitive two texts were rather than what the grammar
+    costs (plait-tiny: 9 steps for 32 free tokens, 19 for 32 constrained)."""
     import plait
 
     files = sorted(DEV.glob("*/*.json")) if files is None else files
@@ -312,7 +318,9 @@ def dev_costs(model: str, backend: str, max_tokens: int, files: list[Path] | Non
         r = eng.generate(DEV_PROMPT, params)
         return time.perf_counter() - t, r
 
-    with plait.Engine(model, grammar_backend=backend, grammar_compile_timeout=10.0) as eng:
+    spec = {} if speculative_ngram is None else {"speculative_ngram": speculative_ngram}
+    with plait.Engine(model, grammar_backend=backend, grammar_compile_timeout=10.0,
+                      **spec) as eng:
         for path in files:
             cons = {"max_new_tokens": max_tokens, "temperature": 0,
                     "json_schema": path.read_text()}
@@ -336,6 +344,7 @@ def dev_costs(model: str, backend: str, max_tokens: int, files: list[Path] | Non
     ratios = sorted(r["cost_ratio"] for r in rows.values())
     worst = sorted(rows.items(), key=lambda kv: -kv[1]["cost_ratio"])
     out = {"measured": len(rows), "refused": refused, "max_tokens": max_tokens,
+           "speculative_ngram": "default" if speculative_ngram is None else speculative_ngram,
            "max_ratio": ratios[-1] if ratios else None,
            "median_ratio": ratios[len(ratios) // 2] if ratios else None,
            "over_2x": {k: v["cost_ratio"] for k, v in worst if v["cost_ratio"] > 2.0},
@@ -423,6 +432,8 @@ def dev_costs_lines(res: dict) -> list[str]:
              "| backend | schemas | median | max | above 2x | worst |", "|---|---|---|---|---|---|"]
     for b, d in costs.items():
         worst = ", ".join(f"{k} {v['cost_ratio']:.2f}x" for k, v in list(d["worst"].items())[:3])
+        spec = d.get("speculative_ngram", "default")
+        b = f"{b} (n-gram speculation {'off' if spec == 0 else spec})"
         lines.append(f"| {b} | {d['measured']} | {d['median_ratio']:.2f}x | "
                      f"{d['max_ratio']:.2f}x | {len(d['over_2x'])} | {worst} |")
     return lines
@@ -443,6 +454,10 @@ def main(argv=None) -> int:
                     help="dev schemas' per-token cost check: tokens a request (0: skip it)")
     ap.add_argument("--only-dev-costs", action="store_true",
                     help="only the dev schemas' per-token cost check")
+    ap.add_argument("--dev-cost-ngram", default="0",
+                    help="the per-token cost check's n-gram speculation on both sides: 0 (off, "
+                         "the default: the grammar's own cost), a draft length, or 'default' "
+                         "(the engine's)")
     ap.add_argument("--n", type=int, default=32, help="extraction requests")
     ap.add_argument("--repeats", type=int, default=3,
                     help="extraction: constrained and unconstrained timed in turns (medians)")
@@ -451,6 +466,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only-long", action="store_true",
                     help="only the long-maxLength per-token-cost check")
     args = ap.parse_args(argv)
+    ngram = None if args.dev_cost_ngram == "default" else int(args.dev_cost_ngram)
     model = resolve_model_path(args.model)  # a directory, a GGUF, or a name (plait-tiny, smollm2)
     schemas = {"extraction": json.dumps(wl.PERSON_SCHEMA, sort_keys=True)}
     schemas.update({name: json.dumps(s) for name, s in LONG_SCHEMAS.items()})
@@ -461,8 +477,8 @@ def main(argv=None) -> int:
     for backend in args.backends.split(","):
         if args.only_dev_costs:
             print(f"[{backend}] dev schemas: per-token cost", flush=True)
-            res["backends"][backend] = {"dev_costs": dev_costs(model, backend,
-                                                                args.dev_cost_tokens)}
+            res["backends"][backend] = {"dev_costs": dev_costs(
+                model, backend, args.dev_cost_tokens, speculative_ngram=ngram)}
             continue
         if args.only_extraction:
             res["backends"][backend] = {"extraction": extraction(model, backend, args.n,
@@ -484,12 +500,14 @@ def main(argv=None) -> int:
             r["dev"] = {"error": "skipped"}
         if not args.skip_dev and args.dev_cost_tokens > 0:
             print(f"[{backend}] dev schemas: per-token cost", flush=True)
-            r["dev_costs"] = dev_costs(model, backend, args.dev_cost_tokens)
+            r["dev_costs"] = dev_costs(model, backend, args.dev_cost_tokens,
+                                       speculative_ngram=ngram)
         res["backends"][backend] = r
     stem = "grammar" if args.model == "plait-tiny" else f"grammar-{Path(args.model).name}"
     if args.only_dev_costs:  # its own file: the per-schema figures
         RESULTS.mkdir(exist_ok=True)
-        out = RESULTS / f"{stem.replace('grammar', 'grammar-devcosts', 1)}.json"
+        suffix = "" if ngram == 0 else f"-ngram{ngram if ngram is not None else ''}"
+        out = RESULTS / f"{stem.replace('grammar', 'grammar-devcosts', 1)}{suffix}.json"
         out.write_text(json.dumps(res, indent=1))
         print("\n".join(dev_costs_lines(res)))
         print(f"wrote {out}")

@@ -50,7 +50,7 @@ def test_dev_costs_time_each_schema_against_as_many_free_tokens(checkpoint, tmp_
         (tmp_path / name).write_text(json.dumps(schema))
         files.append(tmp_path / name)
     out = dev_costs(checkpoint("tiny-llama"), "xgrammar", 8, files=files, repeats=1)
-    assert out["measured"] == 2 and out["refused"] == 1
+    assert out["measured"] == 2 and out["refused"] == 1 and out["speculative_ngram"] == 0
     for row in out["schemas"].values():
         assert 0 < row["tokens"] <= 8
         assert row["cost_ratio"] == pytest.approx(
@@ -62,5 +62,6 @@ def test_dev_costs_time_each_schema_against_as_many_free_tokens(checkpoint, tmp_
     res = {"model_name": "tiny", "when": "now", "backends": {"xgrammar": {
         "compile": {}, "dev": {"error": "skipped"}, "dev_costs": out}}}
     lines = markdown(res).splitlines()
-    row = next(line for line in lines if line.startswith("| xgrammar | 2 |"))
+    row = next(line for line in lines
+               if line.startswith("| xgrammar (n-gram speculation off) | 2 |"))
     assert f"{out['max_ratio']:.2f}x" in row

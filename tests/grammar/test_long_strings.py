@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from plait.grammar.xgrammar_patterns import LONG_REPEAT, bound_long_repeats
+from plait.grammar.xgrammar_patterns import CHAIN_LIMIT, LONG_REPEAT, bound_long_repeats
 from plait.runtime import constraints
 from plait.runtime.constraints import ConstraintTracker
 
@@ -86,9 +86,9 @@ def test_fast_length_forms_accept_and_refuse_as_documented(backends, tokenizer):
     two = one_field(20, min_length=2)
     assert accepts(xg, two, '{"a": "xy\\n"}', tokenizer)
     assert not accepts(xg, two, '{"a": "x"}', tokenizer)
-    # from minLength 2 on, an escape among the first minLength characters is refused (sound,
-    # not exact: see plait/grammar/xgrammar_patterns.py)
-    assert not accepts(xg, two, '{"a": "\\nxy"}', tokenizer)
+    # a whole string's chain counts an escape as one character, among the first ones too
+    assert accepts(xg, two, '{"a": "\\nx"}', tokenizer)
+    assert not accepts(xg, two, '{"a": "\\n"}', tokenizer)
     nomax = json.dumps({"type": "object", "required": ["a"], "additionalProperties": False,
                         "properties": {"a": {"type": "string", "minLength": 9}}})
     assert accepts(xg, nomax, '{"a": "' + "x" * 9 + '"}', tokenizer)
@@ -97,6 +97,8 @@ def test_fast_length_forms_accept_and_refuse_as_documented(backends, tokenizer):
     short = one_field(5)
     assert accepts(xg, short, '{"a": "abcde"}', tokenizer)
     assert not accepts(xg, short, '{"a": "abcdef"}', tokenizer)
+    assert accepts(xg, short, '{"a": "' + "\\n" * 5 + '"}', tokenizer)  # exact up to CHAIN_LIMIT
+    assert not accepts(xg, short, '{"a": "' + "\\n" * 6 + '"}', tokenizer)
 
 
 @pytest.mark.parametrize("max_length", [40, 300])
@@ -107,13 +109,55 @@ def test_long_bound_is_enforced(backends, tokenizer, max_length):
     assert accepts(xg, spec, '{"a": "' + body + '"}', tokenizer)
     assert not accepts(xg, spec, '{"a": "' + body + 'c"}', tokenizer)
     assert not accepts(xg, spec, '{"a": "a"}', tokenizer)  # minLength still counted exactly
-    # escapes count their raw width toward the bound (sound: never longer than maxLength)
+    # past CHAIN_LIMIT escapes count their raw width toward the bound (sound: never longer
+    # than maxLength); up to it, one character each
     assert accepts(xg, spec, '{"a": "xy' + "x\\n" * 4 + '"}', tokenizer)
+    escapes = '{"a": "' + "x\\n" * (max_length // 2) + '"}'
+    assert accepts(xg, spec, escapes, tokenizer) == (max_length <= CHAIN_LIMIT)
 
 
 def test_signup_schema_compiles_to_max_chars_rules(backends):
-    grammar = backends["xgrammar"].compile("json_schema", json.dumps(signup_schema()))
-    assert grammar.compiled.grammar.__str__().count("max_chars=") == len(SIGNUP_FIELDS)
+    grammar = str(backends["xgrammar"].compile("json_schema",
+                                               json.dumps(signup_schema())).compiled.grammar)
+    # fields with equal bounds share their rules: one max_chars rule per distinct maxLength
+    assert grammar.count("max_chars=") == len({n for _, n in SIGNUP_FIELDS})
+
+
+def test_whole_strings_become_chains_with_a_lookahead_for_the_closing_quote(backends, tokenizer):
+    """The mechanism behind a cached mask in every position of a bounded string: right-recursive
+    rules closed by a lookahead (no counted repetition, no `c*` after an escape); a pattern with
+    more than its repeated character keeps the forms of bound_long_repeats."""
+    import re
+
+    from plait.grammar.xgrammar_patterns import splice_patterns
+
+    def grammar(prop: dict) -> str:
+        spec = json.dumps({"type": "object", "required": ["a"], "additionalProperties": False,
+                           "properties": {"a": prop}})
+        return str(backends["xgrammar"].compile("json_schema", spec).compiled.grammar)
+
+    counted = re.compile(r"\{\d+, (-1|\d+)\}")
+    for prop in ({"type": "string", "minLength": 1}, {"type": "string", "maxLength": 64},
+                 {"type": "string", "minLength": 3, "maxLength": 4096},
+                 {"type": "string", "pattern": "^[a-z]{2,30}$"}):
+        text = grammar(prop)
+        assert "plait_len_0" in text and '(=("\\""))' in text, prop
+        assert not counted.search(text), (prop, text)
+    assert grammar({"type": "string", "maxLength": 4096}).count("max_chars=4096") == 1
+    assert "max_chars" not in grammar({"type": "string", "maxLength": CHAIN_LIMIT})
+    mixed = grammar({"type": "string", "pattern": "^ab[a-z]{1,8}$"})
+    assert "plait_len" not in mixed
+    # a pattern rule used anywhere but before a closing quote is not a whole string
+    body = 'r ::= (("\\"" h "\\""))\nq ::= ((h "x"))\nh ::= Regex("PLAITPAT0X", json_string=true)\n'
+    assert "plait_len" not in splice_patterns(body, ["[ab]{1,5}"])
+    ok = 'r ::= (("\\"" h "\\""))\nh ::= Regex("PLAITPAT0X", json_string=true)\n'
+    assert "plait_len_0" in splice_patterns(ok, ["[ab]{1,5}"])
+    pattern = json.dumps({"type": "object", "required": ["a"], "additionalProperties": False,
+                          "properties": {"a": {"type": "string", "pattern": "^[a-z]{2,30}$"}}})
+    assert accepts(backends["xgrammar"], pattern, '{"a": "ab"}', tokenizer)
+    assert not accepts(backends["xgrammar"], pattern, '{"a": "a"}', tokenizer)
+    assert not accepts(backends["xgrammar"], pattern, '{"a": "aB"}', tokenizer)
+    assert not accepts(backends["xgrammar"], pattern, '{"a": "' + "a" * 31 + '"}', tokenizer)
 
 
 class CountingMatcher:
