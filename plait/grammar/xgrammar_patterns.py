@@ -35,19 +35,21 @@ still cost 0.3-0.6 ms a fill on a 100k vocabulary (`[...]{lo,-1}` has no cached 
 36 ms after an escape, and 7-23 ms in the last ~16 characters before a `max_chars` bound
 (xgrammar checks every token longer than the characters left, one by one). When the pattern's
 rule is the whole content of a JSON string (every use of it is followed by the closing quote),
-it becomes a chain of right-recursive rules with a lookahead for that quote, which xgrammar
-masks from its cache (0.03-0.06 ms a fill):
+it becomes right-recursive rules with a lookahead for that quote, which xgrammar masks from its
+cache (0.03-0.06 ms a fill). With c the class and e the escapes:
 
-    s_i ::= (c s_i+1) | (escape s_i+1)                               i < lo
-    s_i ::= ("" | (c s_i+1) | (escape s_i+1)) (= "\"")                lo <= i < hi <= CHAIN_LIMIT
-    s_hi ::= ("") (= "\"")
-    tail ::= ("" | (c tail) | (escape tail)) (= "\"")                 after s_lo-1 when hi is
-                                                                       longer: under max_chars
+    r_0 ::= ("") (= "\"")                                    nothing more, then the quote
+    r_k ::= ("" | (c r_k-1) | (e r_k-1)) (= "\"")             up to k more characters
+    t   ::= ("" | (c t) | (e t)) (= "\"")                     any number
+    m_k_X ::= (c m_k-1_X) | (e m_k-1_X)                        exactly k characters, then X
 
-The chain is exact, escapes included; each of its rules costs ~10 ms of compile time on a 100k
-vocabulary, so chains stop at CHAIN_LIMIT characters and are shared by equal strings of a
-schema. Past it, the tail under `max_chars` is sound as above and pays the boundary cost only in
-a string's last characters before maxLength.
+A string of lo..hi characters is m_lo_r_(hi-lo) when hi <= CHAIN_LIMIT: exact, escapes
+included. Past it, m_lo_t under a `max_chars=hi` rule: sound as above (an escape counts its
+raw width), paying the boundary cost only in its last characters before maxLength. The rules
+are shared by every string of a grammar that repeats the same character: each costs ~5-10 ms
+of compile time on a 100k vocabulary, so a grammar has at most CHAIN_LIMIT + 1 `r` rules
+however many bounded strings it has (20 strings of distinct maximums near 64 compile in
+0.9 s; with a chain each, 10.7 s, past the default compile deadline).
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def _closes_string(ebnf: str, call: str) -> bool:
 
 def whole_string_rules(pattern: str, name: str, chains: dict) -> str | None:
     """The rules of `name` for a pattern that is one repeated JSON character and the whole
-    content of its string (the forms of the module docstring), or None for any other pattern."""
+    content of its string (the forms of the module docstring), or None for any other pattern.
+    `chains` holds the rules already written for this grammar (_Ladder per character)."""
     try:
         node = parse(pattern, "json_schema")
     except GrammarError:
@@ -148,39 +151,69 @@ def whole_string_rules(pattern: str, name: str, chains: dict) -> str | None:
     m = re.fullmatch(r"x ::= (.*)", item)
     if m is None or not _is_json_char(m.group(1)):
         return None
-    alts = _alternatives(m.group(1))
-    lo, hi = node.lo, node.hi
-    key = (tuple(alts), lo, hi)
-    out = []
-    if key not in chains:
-        chains[key] = base = f"plait_len_{len(chains)}"
-        out = _chain_rules(base, alts, lo, hi)
-    return "\n".join([f"{name} ::= (({chains[key]}))", *out])
+    alts = tuple(_alternatives(m.group(1)))
+    if alts not in chains:
+        chains[alts] = _Ladder(f"plait_len_{len(chains)}", alts)
+    ladder = chains[alts]
+    entry = ladder.entry(node.lo, node.hi)
+    new, ladder.written = ladder.rules[ladder.written:], len(ladder.rules)
+    return "\n".join([f"{name} ::= (({entry}))", *new])
 
 
-def _chain_rules(base: str, alts: list[str], lo: int, hi: int | None) -> list[str]:
-    classes = [a for a in alts if a.startswith("[")]
-    escapes = [a for a in alts if not a.startswith("[")]
-    rules = [f"{base}_esc ::= (" + " | ".join(f"({a})" for a in escapes) + ")"] if escapes else []
+class _Ladder:
+    """The rules of one repeated character (r_k, t, m_k_X of the module docstring), made once
+    per grammar and shared by every string that repeats it."""
 
-    def step(nxt: str) -> str:
-        return " | ".join([f"({c} {nxt})" for c in classes]
-                          + ([f"({base}_esc {nxt})"] if escapes else []))
+    def __init__(self, base: str, alts: tuple[str, ...]) -> None:
+        self.base = base
+        self.classes = [a for a in alts if a.startswith("[")]
+        escapes = [a for a in alts if not a.startswith("[")]
+        self.escape = f"{base}_esc" if escapes else None
+        self.rules: list[str] = []  # in the order made
+        self.names: set[str] = set()
+        self.written = 0  # rules already in the grammar
+        if escapes:
+            self._add(self.escape, "(" + " | ".join(f"({a})" for a in escapes) + ")")
 
-    chained = hi is not None and hi <= CHAIN_LIMIT
-    end = hi if chained else lo
-    for i in range(end):
-        nxt = f"{base}_{i + 1}" if chained or i + 1 < lo else f"{base}_tail"
-        rules.append(f"{base}_{i} ::= ({step(nxt)})" if i < lo
-                     else f'{base}_{i} ::= ("" | {step(nxt)}) {_CLOSES}')
-    if chained:
-        rules.append(f'{base}_{hi} ::= ("") {_CLOSES}')
-        first = f"{base}_0"
-    else:
-        rules.append(f'{base}_tail ::= ("" | {step(f"{base}_tail")}) {_CLOSES}')
-        first = f"{base}_0" if lo else f"{base}_tail"
-    attr = f"[max_chars={hi}]" if hi is not None and not chained else ""
-    return [f"{base}{attr} ::= (({first}))", *rules]
+    def _add(self, name: str, body: str, attr: str = "") -> str:
+        if name not in self.names:
+            self.names.add(name)
+            self.rules.append(f"{name}{attr} ::= {body}")
+        return name
+
+    def _step(self, nxt: str) -> str:
+        return " | ".join([f"({c} {nxt})" for c in self.classes]
+                          + ([f"({self.escape} {nxt})"] if self.escape else []))
+
+    def upto(self, k: int) -> str:
+        """Up to k characters, then the closing quote."""
+        for r in range(k + 1):
+            name = f"{self.base}_r{r}"
+            if name not in self.names:
+                body = '("")' if r == 0 else f'("" | {self._step(f"{self.base}_r{r - 1}")})'
+                self._add(name, f"{body} {_CLOSES}")
+        return f"{self.base}_r{k}"
+
+    def tail(self) -> str:
+        """Any number of characters, then the closing quote."""
+        name = f"{self.base}_t"
+        return self._add(name, f'("" | {self._step(name)}) {_CLOSES}')
+
+    def exactly(self, k: int, then: str) -> str:
+        """k characters, then `then`."""
+        for i in range(1, k + 1):
+            prev = then if i == 1 else f"{self.base}_m{i - 1}_{then}"
+            self._add(f"{self.base}_m{i}_{then}", f"({self._step(prev)})")
+        return f"{self.base}_m{k}_{then}" if k else then
+
+    def entry(self, lo: int, hi: int | None) -> str:
+        """The rule of a string of lo..hi characters (hi None: no maximum)."""
+        if hi is not None and hi <= CHAIN_LIMIT:
+            return self.exactly(lo, self.upto(hi - lo))
+        first = self.exactly(lo, self.tail())
+        if hi is None:
+            return first
+        return self._add(f"{self.base}_max{hi}_{lo}", f"(({first}))", f"[max_chars={hi}]")
 
 
 def _rename_root(ebnf: str, name: str) -> str:
