@@ -41,6 +41,12 @@ POLICY = SchemaPolicy(
 )
 
 
+# plait's schema-to-grammar translation (json_schema.py, xgrammar_patterns.py): a new number
+# when it changes, so that --grammar-cache-dir never serves grammars of the earlier forms
+# (2: whole strings as shared ladders of rules)
+TRANSLATION = 2
+
+
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
@@ -111,7 +117,8 @@ class XGrammarBackend(GrammarBackend):
         import importlib.metadata
 
         version = importlib.metadata.version("xgrammar")
-        return f"xgrammar-{version}-ws{int(self.any_whitespace)}.{self.max_whitespace}"
+        return (f"xgrammar-{version}-p{TRANSLATION}"
+                f"-ws{int(self.any_whitespace)}.{self.max_whitespace}")
 
     @classmethod
     def supported_features(cls) -> dict:

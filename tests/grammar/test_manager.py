@@ -119,6 +119,22 @@ def test_disk_cache_survives_a_new_manager(make_manager, walker, tmp_path, name)
     assert walk.terminated and "a" in json.loads(walk.text)
 
 
+def test_disk_cache_of_an_earlier_translation_is_not_served(make_manager, tmp_path,
+                                                             monkeypatch):
+    """Grammars cached by a plait whose schema translation differed (slower or since-fixed
+    forms) are never loaded: the translation number is part of the cache folder's name."""
+    import plait.grammar.xgrammar_backend as xb
+
+    first = make_manager("xgrammar", cache_dir=str(tmp_path))
+    first.submit("json_schema", json.dumps(SCHEMA)).result(timeout=30)
+    first.shutdown()
+    monkeypatch.setattr(xb, "TRANSLATION", xb.TRANSLATION + 1)
+    second = make_manager("xgrammar", cache_dir=str(tmp_path))
+    second.submit("json_schema", json.dumps(SCHEMA)).result(timeout=30)
+    second.shutdown()
+    assert second.stats()["disk_hits"] == 0 and second.stats()["disk_writes"] == 1
+
+
 def test_corrupt_disk_entry_is_a_miss(make_manager, tmp_path):
     first = make_manager(cache_dir=str(tmp_path))
     first.submit("regex", "[0-9]+").result(timeout=30)
