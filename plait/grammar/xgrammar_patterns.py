@@ -67,7 +67,7 @@ _MARKER = "PLAITPAT{}X"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # counted repetitions with more optional repeats than this become a max_chars rule
 LONG_REPEAT = 32
-# whole strings of one repeated character: a chain of one rule per character up to this length
+# whole strings of one repeated character: exact chains up to this maxLength (module docstring)
 CHAIN_LIMIT = 64
 _CLOSES = '(= "\\"")'  # lookahead: the closing quote of the JSON string comes next
 # one printed alternative that is exactly one JSON character: a class, or one escape sequence
@@ -105,7 +105,7 @@ def extract_patterns(core: Any) -> tuple[Any, list[str]]:
 def splice_patterns(ebnf: str, patterns: list[str]) -> str:
     """Replace each marker's Regex(...) rule body by the plain-regex grammar of its pattern."""
     rules: list[str] = []
-    chains: dict = {}  # equal whole strings share their rules
+    chains: dict = {}  # one _Ladder of rules per repeated character, shared by its strings
     for k, pattern in enumerate(patterns):
         call = f'Regex("{_MARKER.format(k)}", json_string=true)'
         if call not in ebnf:
