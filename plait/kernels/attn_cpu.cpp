@@ -30,8 +30,13 @@
 //   prefetches overflow the core's miss buffers and are lost; spread over the block's units of
 //   work (K rows while scoring, V rows during the V pass) they were 1.5x faster than a burst
 //   on contiguous, scheduler and served layouts alike. Further ahead, or into L2, was slower
-//   there (AMD EPYC); on the Intel Xeon VM into L2 was 1.05-1.12x faster at batch 1-32 (its
-//   cores' line fill buffers, not L2's queue, bound the misses in flight), further ahead even.
+//   there (that EPYC, with the per-unit prefetches); on the Intel Xeon VM into L2 was
+//   1.05-1.12x faster at batch 1-32 (its cores' line fill buffers, not L2's queue, bound the
+//   misses in flight), further ahead even. With the Cursor below, on a Zen 4 EPYC VM
+//   (2026-11-27, decode_attention.py against the same kernel prefetching into L1): into L2
+//   1.42-1.57x faster at batch 8 and 32 on all three layouts (24 GB/s of K/V against 16),
+//   batch 1 even (0.97-1.02x); two blocks ahead instead of one, into L1, 0.96-1.01x. So the
+//   prefetches go to L2 on every CPU.
 //   There, with fp32 pools, the spread was still too coarse: a unit's prefetches (two rows'
 //   26 lines in a score unit, five rows' 65 in a V unit) overflowed the 16 fill buffers, and
 //   the unit's arithmetic waited behind them, so the step took the memory's time plus the
@@ -197,12 +202,9 @@ inline vec vexp(vec x) {
   return vpow2(p, n);
 }
 
-// where the prefetches go: L2 on Intel (cpp_build.prefetch_flags), L1 elsewhere (see the header)
-#ifdef PLAIT_PREFETCH_L2
+// where the prefetches go: L2 (prefetcht1) on every CPU (see the header: the Intel Xeon VM and
+// the Zen 4 EPYC VM both measured it faster than L1 for this kernel)
 #define PLAIT_STREAM_HINT _MM_HINT_T1
-#else
-#define PLAIT_STREAM_HINT _MM_HINT_T0
-#endif
 constexpr int64_t PREFETCH_AHEAD = W;  // tokens: one block (see the header)
 constexpr int64_t CHUNK = 256;  // keys per task, about (batch 1 of 280 keys: two tasks of 140)
 

@@ -52,11 +52,10 @@ def cpu_flags() -> frozenset[str]:
 @functools.cache
 def prefetch_flags() -> list[str]:
     """["-DPLAIT_PREFETCH_L2"] on an Intel CPU (Linux: /proc/cpuinfo's vendor), else []: the
-    kernels' software prefetches of streamed data (the KV rows a decode attention block reads
-    next, the fp32 linears' weight stream and next panel) then go to L2 (prefetcht1) instead of
-    L1. On the Intel Xeon VM (~12 GB/s from memory a core): decode attention 1.00-1.14x at
-    batch 1-32, SmolLM2's linears 1.09-1.13x at 4-12 rows (1 row even, 32 rows ~1.03x); on the
-    AMD EPYC VMs before it, into L2 measured slower for decode attention."""
+    fp32 linears' software prefetches of their weight stream and next panel (woq_cpu.cpp) then
+    go to L2 (prefetcht1) instead of L1. On the Intel Xeon VM (~12 GB/s from memory a core):
+    SmolLM2's linears 1.09-1.13x at 4-12 rows (1 row even, 32 rows ~1.03x). (Decode attention
+    prefetches into L2 on every CPU, without this flag: attn_cpu.cpp's header.)"""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:

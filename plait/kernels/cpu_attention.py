@@ -65,10 +65,9 @@ def kernel_isa() -> str | None:
 
 
 def decode_kernel_flags(isa: str) -> list[str]:
-    """The compiler flags of the decode kernel for `isa`, this CPU's prefetch choice included."""
-    from plait.kernels.cpp_build import prefetch_flags
-
-    return _KERNEL_FLAGS[isa] + prefetch_flags()
+    """The compiler flags of the decode kernel for `isa` (its prefetches go to L2 on every CPU:
+    attn_cpu.cpp's header)."""
+    return list(_KERNEL_FLAGS[isa])
 
 
 def load_decode_kernel(isa: str):
