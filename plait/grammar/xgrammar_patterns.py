@@ -187,12 +187,10 @@ class _Ladder:
 
     def upto(self, k: int) -> str:
         """Up to k characters, then the closing quote."""
-        for r in range(k + 1):
-            name = f"{self.base}_r{r}"
-            if name not in self.names:
-                body = '("")' if r == 0 else f'("" | {self._step(f"{self.base}_r{r - 1}")})'
-                self._add(name, f"{body} {_CLOSES}")
-        return f"{self.base}_r{k}"
+        for r in range(k + 1):  # _add skips the rules made already
+            body = '("")' if r == 0 else f'("" | {self._step(f"{self.base}_r{r - 1}")})'
+            name = self._add(f"{self.base}_r{r}", f"{body} {_CLOSES}")
+        return name
 
     def tail(self) -> str:
         """Any number of characters, then the closing quote."""
