@@ -92,6 +92,17 @@ class PlaitEngine:
         self.engine.flush_cache()
         return _timed(self.generate, w)
 
+    def thread_counts(self) -> dict[str, int]:
+        """The scheduler's forwards so far per torch thread count, and the thread tuner's
+        probes and switches ({} with a fixed --num-threads): benchmarks.run records each
+        run's difference."""
+        th = self.engine.get_server_info().get("threads") or {}
+        counts = {f"forwards@{n}": c for n, c in (th.get("forwards_by_threads") or {}).items()}
+        for k in ("probes", "switches"):
+            if k in th:
+                counts[k] = th[k]
+        return counts
+
     def close(self) -> None:
         self.engine.shutdown()
 

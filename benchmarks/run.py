@@ -280,19 +280,28 @@ def measure(engines: list, workloads: list[wl.SuiteWorkload], repeats: int) -> d
                 row = rows[e.name]
                 if "error" in row:
                     continue
+                counts = getattr(e, "thread_counts", None)
                 try:
+                    before = counts() if counts else {}
                     with _others_paused(e, engines):
                         secs, outputs = e.run_suite(w)
+                    after = counts() if counts else {}
                 except Exception as ex:
                     row["error"] = f"{type(ex).__name__}: {ex}"
                     log(f"{w.name}: {e.name} failed: {ex}")
                     _restart(e)
                     continue
                 row["runs"].append({"seconds": secs, "output_tokens": sum(len(o) for o in outputs)})
+                if after:  # plait: forwards per thread count and tuner probes in this run
+                    row["runs"][-1]["threads"] = {
+                        k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)
+                    }
                 row.setdefault("outputs", outputs)
+                threads = row["runs"][-1].get("threads")
                 log(
                     f"  {w.name:7s} rep {r}  {e.name:32s} {secs:8.2f} s  "
                     f"{row['runs'][-1]['output_tokens']} tokens"
+                    + (f"  {threads}" if threads else "")
                 )
     return results
 

@@ -1,0 +1,42 @@
+"""benchmarks.run records, per plait run, the forwards it ran per torch thread count (and the
+thread tuner's probes), so a run slower than its peers can be checked for 1-thread forwards."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def test_each_plait_run_records_its_forwards_per_thread_count(checkpoint):
+    from benchmarks import engine as be
+    from benchmarks import workloads as wl
+    from benchmarks.run import measure
+
+    model = checkpoint("tiny-llama")
+    adaptive = be.PlaitEngine("adaptive", model, log_level="warning")
+    fixed = be.PlaitEngine("fixed", model, log_level="warning", num_threads=1)
+    engines = [adaptive, fixed]
+    for e in engines:
+        e.warmup = lambda w, e=e: e.run_suite(w.head(2))
+    from plait.models.config import ModelConfig
+
+    w = wl.as_suite(wl.decode(ModelConfig.from_dir(model).vocab_size, n=4, prompt_len=12, out=6))
+    try:
+        before = adaptive.thread_counts()
+        res = measure(engines, [w], 2)
+        after = adaptive.thread_counts()
+    finally:
+        for e in engines:
+            e.close()
+    runs = res["decode"]["adaptive"]["runs"]
+    assert len(runs) == 2
+    recorded = [r["threads"] for r in runs]
+    # every run did forwards (a prefill and decode steps), each counted once
+    assert all(sum(v for k, v in t.items() if k.startswith("forwards@")) >= 6 for t in recorded)
+    total = sum(sum(v for k, v in t.items() if k.startswith("forwards@")) for t in recorded)
+    counted = sum(v for k, v in after.items() if k.startswith("forwards@")) - sum(
+        v for k, v in before.items() if k.startswith("forwards@"))
+    assert 0 < total <= counted  # (the warm-ups ran between the two readings too)
+    # a fixed thread count has no tuner: no record
+    assert all("threads" not in r for r in res["decode"]["fixed"]["runs"])
