@@ -222,7 +222,8 @@ def plait_kv_tokens(model: str, kv_gib: float) -> int:
 
 
 def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = (),
-                  kv_gib: float = 4, speculation_ab: bool = False, kv_bf16: bool = False) -> list:
+                  kv_gib: float = 4, speculation_ab: bool = False, kv_bf16: bool = False,
+                  log_level: str = "warning") -> list:
     from benchmarks import engine as be
 
     engines: list = []
@@ -231,22 +232,22 @@ def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = 
         kv_tokens = plait_kv_tokens(model, kv_gib)
         for q in quantizations:  # weight-only quantized decoder linears (--quantization)
             engines.append(be.PlaitEngine(quantized_name(q), model, max_total_tokens=kv_tokens,
-                                          log_level="warning", quantization=q))
+                                          log_level=log_level, quantization=q))
         engines.append(
-            be.PlaitEngine(REF, model, max_total_tokens=kv_tokens, log_level="warning")
+            be.PlaitEngine(REF, model, max_total_tokens=kv_tokens, log_level=log_level)
         )
         if kv_bf16:  # the same number of KV tokens, in half the bytes
             engines.append(be.PlaitEngine(KV_BF16, model, max_total_tokens=kv_tokens,
-                                          log_level="warning", kv_cache_dtype="bfloat16"))
+                                          log_level=log_level, kv_cache_dtype="bfloat16"))
         if speculation_ab:  # the default path without n-gram speculation, for the A/B
             engines.append(be.PlaitEngine(NO_SPEC, model, max_total_tokens=kv_tokens,
-                                          log_level="warning", speculative_ngram=0))
+                                          log_level=log_level, speculative_ngram=0))
         engines.append(
             be.PlaitEngine(
                 PLAIT_ENGINES[1],
                 model,
                 max_total_tokens=kv_tokens,
-                log_level="warning",
+                log_level=log_level,
                 disable_radix_cache=True,
             )
         )
@@ -503,7 +504,8 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
     worker = None
     try:
         engines = local_engines(model, args.engine_set, args.plait_quantization,
-                                args.vllm_kv_gib, args.speculation_ab, args.plait_kv_bf16)
+                                args.vllm_kv_gib, args.speculation_ab, args.plait_kv_bf16,
+                                args.plait_log_level)
         if "vllm" in args.engine_set and meta.get("vllm_setup_s") is not None:
             log(f"{model_name}: starting the vLLM worker (two engines)")
             try:
@@ -1070,6 +1072,10 @@ def main(argv=None) -> int:
     ap.add_argument("--speculation-ab", action="store_true",
                     help="also run plait with --speculative-ngram 0 (speculation is on by "
                     "default for forwards of <= 8 rows)")
+    ap.add_argument("--plait-log-level", default="warning",
+                    help="the plait engines' log level (debug: the scheduler logs every "
+                    "forward's time and thread count, and the thread tuner's probes and "
+                    "decisions, to stderr)")
     ap.add_argument("--contention", action="store_true",
                     help="run benchmarks/contention.py (quiet vs contended) instead of suites")
     ap.add_argument("--competitor", choices=("matmul", "plait"), default="matmul")

@@ -24,6 +24,7 @@ and the host's counters are injectable for tests.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import resource
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 
 DECODE = "decode"
 EXTEND = "extend"
+
+logger = logging.getLogger(__name__)
 
 
 def candidate_counts(max_threads: int) -> tuple[int, ...]:
@@ -57,6 +60,7 @@ class TunerConfig:
     probe_seconds: float = 0.25  # ... in all (one forward of a large prefill is enough)
     window: int = 8  # recent forwards of the running count whose median is its estimate
     min_gap: int = 16  # forwards on the best count between two probes of a key, at least
+    recheck_gap: int = 3  # ... except after a switch: the old count is re-measured this soon
     max_interval: int = 256  # past the gap, a probe every this many forwards, or sooner ...
     stale_after_s: float = 5.0  # ... when an estimate is older than this (contention changed)
     forget_after_s: float = 60.0  # samples older than this no longer count at all
@@ -140,8 +144,8 @@ class ThreadTuner:
         key = self._key(kind, tokens, load, settled)
         for arm in key.arms.values():
             arm.prune(now, self.cfg.forget_after_s)
-        if key.probing is None and settled and self._probe_due(key, now):
-            self._start_probe(key)
+        if key.probing is None and settled and (why := self._probe_due(key, now)):
+            self._start_probe(key, why)
         if key.probing is None:
             key.since_probe += 1
         self.current = key.probing if key.probing is not None else key.best
@@ -152,6 +156,9 @@ class ThreadTuner:
     def record(self, kind: str, tokens: int, threads: int, seconds: float, load: int = 0) -> None:
         """The forward chosen for (kind, tokens, load) ran on `threads` threads in `seconds`."""
         key = self._key(kind, tokens, load)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("tuner: %s of %d tokens on %d threads: %.1f ms (load %d)", kind, tokens,
+                         threads, 1e3 * seconds, load)
         arm = key.arms.get(threads)
         if arm is None:
             return  # a count the tuner does not run (set from outside)
@@ -183,7 +190,8 @@ class ThreadTuner:
 
     def _prior(self, kind: str, bucket: int, load: int, settled: bool = False) -> int:
         """A new key starts on the best count of the nearest decided key: the same load level
-        first, then the same kind, then the nearest size; else on all threads. Except under a
+        first, then the same kind, then the nearest size; else on all threads. On a quiet host
+        (load 0) only a key of the same kind at load 0 counts, else all threads. Except under a
         load that has held (`settled`) with no key decided at its level yet: then on the cores
         the others leave free. A large prefill is rare (a judge run has two or three) and
         its key may never get the forwards a probe needs: under the contention benchmark's
@@ -197,6 +205,11 @@ class ThreadTuner:
         if settled and load > 0 and not (known and known[0][0] == 0):
             free = max(1, self.max_threads - load)
             return max(n for n in self.candidates if n <= free)
+        if load == 0:
+            # a quiet host: only a decided key of the same kind says anything (measured: the
+            # first 64-row decode steps of a judge run started on 1 thread, 230 ms against
+            # 130, from a warm-up's 32-token prefill key that one-off costs had switched)
+            known = [k for k in known if k[0] == 0 and not k[1]]
         return known[0][3] if known else self.max_threads
 
     def _enough(self, arm: _Arm, count: int) -> bool:
@@ -207,21 +220,25 @@ class ThreadTuner:
             self.cfg.probe_seconds
         )
 
-    def _probe_due(self, key: _Key, now: float) -> bool:
+    def _probe_due(self, key: _Key, now: float) -> str | None:
+        """Why the key's next forward is a probe (for the debug log), or None."""
         if key.drifted:  # contention came or went: do not wait for the gap
-            return True
+            return "drifted"
         best = key.arms[key.best]
         if not best.samples or not self._enough(best, self.cfg.window):
-            return False  # no estimate of the running count yet to compare a probe with
+            return None  # no estimate of the running count yet to compare a probe with
         others = [a for n, a in key.arms.items() if n != key.best]
         if any(not a.measured for a in others):
-            return True
+            return "never measured"
         if key.since_probe < key.gap:
-            return False
-        stale = any(now - a.newest() > self.cfg.stale_after_s for a in others)
-        return key.recheck or stale or key.since_probe >= self.cfg.max_interval
+            return None
+        if key.recheck:
+            return "recheck"
+        if any(now - a.newest() > self.cfg.stale_after_s for a in others):
+            return "stale"
+        return "interval" if key.since_probe >= self.cfg.max_interval else None
 
-    def _start_probe(self, key: _Key) -> None:
+    def _start_probe(self, key: _Key, why: str) -> None:
         """Probe the alternative measured longest ago (never measured first). A probe forward
         clearly slower than the best ends the probe (give_up_ratio), except the first forward
         on a count that no forward has run yet, in any key: it pays the count's one-off set-up
@@ -230,6 +247,9 @@ class ThreadTuner:
         forwards, 3 forwards of 1 thread each, ~15 ms apiece, on a quiet host.)"""
         alt = min((n for n in key.arms if n != key.best), key=lambda n: key.arms[n].newest())
         key.may_give_up = key.arms[alt].measured or self.forwards[alt] > 0
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("tuner: probe %s threads on %s, %s (best %s: %s)", alt,
+                         self._name(key), why, key.best, self._ms(key.arms[key.best]))
         key.arms[alt].samples.clear()  # the probe's forwards alone make its estimate
         key.probing, key.probe_left, key.since_probe = alt, self.cfg.probe_forwards, 0
         self.probes += 1
@@ -243,13 +263,20 @@ class ThreadTuner:
             key.recheck, key.since_probe = True, key.gap
             return
         key.recheck = probe < best * (1 - self.cfg.switch_margin)  # switched: check the old
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("tuner: %s %s threads %s vs best %s threads %s: %s", self._name(key),
+                         alt, self._ms(key.arms[alt]), key.best, self._ms(key.arms[key.best]),
+                         "switch" if key.recheck else "stay")
         if key.recheck:
-            # the old count is re-measured after the shortest gap, however slow it read: its
-            # estimate may rest on one forward that paid a one-off cost (a kernel or the C++
+            # the old count is re-measured after a few forwards, however slow it read: its
+            # estimate may rest on forwards that paid one-off costs (a kernel or the C++
             # layer loop set up inside it: 0.58 s for a 25 ms verify forward), which would
-            # otherwise keep the key on the slower count for ~200 of its forwards
+            # otherwise keep the key on the slower count for ~200 of its forwards. Soon, not
+            # after min_gap: a rare key (a warm-up's 32-token prefill, switched to 1 thread on
+            # two such forwards: 105 and 143 ms against 40 ms) ran its next 16 forwards, runs
+            # apart, on the slower count
             key.best, key.reference = alt, probe
-            key.gap = self.cfg.min_gap
+            key.gap = self.cfg.recheck_gap
             self.switches += 1
         else:
             key.reference = best
@@ -288,6 +315,13 @@ class ThreadTuner:
             key.confirming = True
 
     # ------------------------------------------------------------------ reporting
+    def _name(self, key: _Key) -> str:
+        return next(f"{k}/{b}@{ld}" for (k, b, ld), v in self.keys.items() if v is key)
+
+    @staticmethod
+    def _ms(arm: _Arm) -> list[float]:
+        return [round(1e3 * s, 1) for _, s in arm.samples]
+
     def stats(self) -> dict:
         """What the scheduler reports: the count and load level now, forwards per count,
         probes, switches, and per key (kind/size@load) its best count and recent median
@@ -351,15 +385,17 @@ def _own_cpu_seconds() -> float:
 class HostLoad:
     """How many cores the host's other processes used lately: /proc/stat's busy time minus
     this process's own, averaged with a half-life of `halflife_s`. ~30 us a reading; read at
-    most every `min_interval_s`."""
+    most every `min_interval_s`. An interval longer than `idle_gap_s` in which the engine's
+    own processes were nearly idle is not counted (see _update)."""
 
     def __init__(
         self, host_busy: Callable[[], float | None] = _host_busy_seconds,
         own_cpu: Callable[[], float] = _own_cpu_seconds, clock: Callable[[], float] = time.monotonic,
-        halflife_s: float = 0.3, min_interval_s: float = 0.05,
+        halflife_s: float = 0.3, min_interval_s: float = 0.05, idle_gap_s: float = 1.0,
     ) -> None:
         self.host_busy, self.own_cpu, self.clock = host_busy, own_cpu, clock
         self.halflife_s, self.min_interval_s = halflife_s, min_interval_s
+        self.idle_gap_s = idle_gap_s
         self.others = 0.0  # cores, smoothed
         self._last: tuple[float, float, float] | None = None  # (clock, host busy, own cpu)
 
@@ -378,6 +414,14 @@ class HostLoad:
         own = self.own_cpu()
         if self._last is not None:
             then, busy0, own0 = self._last
+            if now - then > self.idle_gap_s and (own - own0) < 0.25 * (now - then):
+                # this engine sat idle: what the others did meanwhile (in benchmarks.run, the
+                # engine that ran before, now stopped) is not what its next forward meets.
+                # Measured: every run's first forward read the load of 2 cores on a quiet
+                # host and was keyed there. The level stays as it was; the next reading,
+                # over a forward, measures the others again
+                self._last = (now, busy, own)
+                return
             others = max(0.0, (busy - busy0) - (own - own0)) / (now - then)
             weight = 1.0 - 0.5 ** ((now - then) / self.halflife_s)
             self.others += weight * (others - self.others)
