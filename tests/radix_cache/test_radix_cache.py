@@ -142,3 +142,31 @@ def test_random_operations_keep_accounting(operations):
     cache.evict(pool.size)
     assert pool.free_size == pool.size
     cache.check_integrity()
+
+
+def test_a_pool_with_nothing_in_use_hands_out_ascending_runs_again():
+    """Freed slots go back on the stack in the order they were freed (the radix cache's
+    eviction order), and later allocations get them scattered; once nothing is in use the
+    pool is laid out as new."""
+    pool = KVPool(64, 1, 1, 4, torch.float32)
+    a, b, c = pool.alloc(16), pool.alloc(16), pool.alloc(16)
+    for slots in (b, a):
+        pool.free(slots.flip(0))
+    scattered = pool.alloc(24)  # c still in use: the freed order stands
+    assert not torch.equal(scattered, torch.sort(scattered).values)
+    pool.free(scattered)
+    pool.free(c)
+    assert pool.free_size == 64
+    fresh = pool.alloc(24)
+    assert torch.equal(fresh, torch.arange(41, 65))  # one ascending run, from the top
+
+
+def test_a_flushed_cache_leaves_the_pool_laid_out_as_new():
+    pool = KVPool(64, 1, 1, 4, torch.float32)
+    cache = RadixCache(pool)
+    for start in (0, 10, 20):
+        ids = list(range(start, start + 8))
+        kv = pool.alloc(8)
+        cache.cache_finished_req(ids, kv.flip(0), 0, cache.root)
+    assert cache.flush() and pool.free_size == 64
+    assert torch.equal(pool.alloc(8), torch.arange(57, 65))
