@@ -17,7 +17,9 @@ alternatives: when one was never measured, when its estimate is older than `stal
 (or `max_interval` forwards passed), and at once when the running count's time jumped or
 drifted and stayed so over a few re-measured forwards (a stall of a few forwards is no
 change); probes of a count measured k times slower are spaced so that they cost about
-`probe_budget` of the time, and one far slower stops after a single forward. Pure logic: the
+`probe_budget` of the time, and one far slower stops after a single forward. A new key takes
+what the nearest smaller key of its kind and load measured clearly slower as measured (a large
+forward's first probe of 1 thread cost it ~2x). Pure logic: the
 caller sets torch's thread count and times the forward (`choose`, then `record`); the clock
 and the host's counters are injectable for tests.
 """
@@ -78,6 +80,9 @@ class TunerConfig:
     # just ended still reads as load for a moment, and a probe of 1 thread on a 2048-token
     # prefill cost 1.4 s (measured: benchmarks.run's engines running in turn set it off)
     settle_s: float = 1.0
+    # a new key takes as measured a count that the nearest smaller key of its kind and load,
+    # on the same best count, measured at least this many times slower (see _inherit)
+    inherit_ratio: float = 1.25
 
 
 @dataclass
@@ -112,6 +117,8 @@ class _Key:
     confirming: bool = False  # the best's time changed: re-measuring it before a probe
     drifted: bool = False
     recheck: bool = False  # probe again after the gap (the last probe switched or was void)
+    # each other count's time over the best's at its last probe (the old best's after a switch)
+    slowdown: dict[int, float] = field(default_factory=dict)
 
 
 class ThreadTuner:
@@ -185,8 +192,32 @@ class ThreadTuner:
                 arms={n: _Arm() for n in self.candidates},
                 gap=self.cfg.min_gap,
             )
+            self._inherit(key, *k)
             self.keys[k] = key
         return key
+
+    def _inherit(self, key: _Key, kind: str, bucket: int, load: int) -> None:
+        """A count that the nearest smaller decided key of the same kind and load, running the
+        same best count, measured clearly slower (inherit_ratio) is not probed at once on a new
+        larger key: it is taken as measured that much slower, so its first probe waits the gap
+        that slowdown earns (then goes as when stale). The larger the forward, the better its
+        threads pay (the barriers' cost is per forward, the work grows), so a count slower on a
+        smaller forward is slower on a larger one. Measured: the first forward of each new
+        large key probed 1 thread at once: a judge run's 1057-token prefill 2.74 s against
+        1.49 (a run of ~8.5 s), a json run's 1024-bucket prefill 1.74 s against 0.85 (~3.5 s)."""
+        donors = [
+            (b, d) for (kd, b, ld), d in self.keys.items()
+            if kd == kind and ld == load and b <= bucket and d.reference is not None
+            and d.best == key.best
+        ]
+        if not donors:
+            return
+        donor = max(donors, key=lambda bd: bd[0])[1]
+        for n, ratio in donor.slowdown.items():
+            if n != key.best and n in key.arms and ratio >= self.cfg.inherit_ratio:
+                key.arms[n].measured = True
+                key.slowdown[n] = ratio
+                key.gap = max(key.gap, self._gap(ratio))
 
     def _prior(self, kind: str, bucket: int, load: int, settled: bool = False) -> int:
         """A new key starts on the best count of the nearest decided key: the same load level
@@ -275,10 +306,12 @@ class ThreadTuner:
             # after min_gap: a rare key (a warm-up's 32-token prefill, switched to 1 thread on
             # two such forwards: 105 and 143 ms against 40 ms) ran its next 16 forwards, runs
             # apart, on the slower count
+            key.slowdown = {key.best: best / probe}
             key.best, key.reference = alt, probe
             key.gap = self.cfg.recheck_gap
             self.switches += 1
         else:
+            key.slowdown[alt] = probe / best
             key.reference = best
             key.gap = self._gap(probe / best)
 

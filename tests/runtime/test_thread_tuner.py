@@ -179,8 +179,9 @@ def test_a_new_size_probes_a_count_run_before_for_one_forward_when_clearly_slowe
         before = tuner.probes
         used = run(tuner, clock, quiet, 10, tokens=tokens)
         assert tuner.probes == before + 1 and used.count(1) == 1, (tokens, used)
-    # a probe that is not clearly slower still runs its forwards
-    used = run(tuner, clock, fixed({1: 0.030, 2: 0.028}), 10, tokens=16)
+    # a probe that is not clearly slower still runs its forwards (another kind: a larger
+    # decode key would take 1 thread's slowdown at batch 8 as measured, see _inherit)
+    used = run(tuner, clock, fixed({1: 0.030, 2: 0.028}), 10, kind=EXTEND, tokens=16)
     assert used.count(1) == 3
 
 
@@ -446,3 +447,41 @@ def test_the_debug_log_says_why_each_probe_ran_and_what_it_decided(caplog):
     assert "decode of 8 tokens on 2 threads: 20.0 ms (load 0)" in text
     assert "probe 1 threads on decode/8@0, never measured" in text
     assert "decode/8@0 1 threads [30.0, 30.0, 30.0] vs best 2 threads" in text and ": stay" in text
+
+
+def test_a_new_larger_key_does_not_probe_at_once_what_a_smaller_one_found_clearly_slower():
+    """Measured (SmolLM2, quiet EPYC): each new large key probed 1 thread on its first
+    forwards, a 1057-token prefill 2.74 s against 1.49 s in an 8.5 s judge run."""
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    run(tuner, clock, fixed({1: 0.060, 2: 0.035}), 40, kind=EXTEND, tokens=24)
+    assert tuner.stats()["keys"]["extend/32@0"]["best"] == 2
+    large = run(tuner, clock, fixed({1: 2.0, 2: 1.0}), 10, kind=EXTEND, tokens=1057)
+    assert large == [2] * 10
+    # ... but it is probed once its gap has passed and the inherited estimate is stale
+    assert 1 in run(tuner, clock, fixed({1: 2.0, 2: 1.0}), 40, kind=EXTEND, tokens=1057)
+
+
+def test_only_a_smaller_key_of_the_same_kind_and_load_with_a_clear_slowdown_is_inherited():
+    def first_probe(setup, kind, tokens, load=0):
+        clock = FakeClock()
+        tuner = ThreadTuner(2, clock)
+        setup(tuner, clock)
+        return run(tuner, clock, fixed({1: 2.0, 2: 1.0}), 4, kind=kind, tokens=tokens, load=load)
+
+    def small_prefills(times, tokens=24, load=0):
+        return lambda t, c: run(t, c, fixed(times), 40, kind=EXTEND, tokens=tokens, load=load)
+
+    clear = {1: 0.060, 2: 0.035}
+    assert first_probe(small_prefills(clear), EXTEND, 1057) == [2] * 4
+    # 1 thread only 1.1x slower there: no evidence, the new key probes it
+    assert 1 in first_probe(small_prefills({1: 0.0385, 2: 0.035}), EXTEND, 1057)
+    # a larger key says nothing about a smaller one
+    assert 1 in first_probe(small_prefills(clear, tokens=2048), EXTEND, 24)
+    # another kind, or another load level, neither
+    assert 1 in first_probe(small_prefills(clear), DECODE, 64)
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    run(tuner, clock, fixed(clear), 40, kind=EXTEND, tokens=24, load=1)
+    clock.now += 2.0
+    assert 1 in run(tuner, clock, fixed({1: 2.0, 2: 1.0}), 6, kind=EXTEND, tokens=1057, load=0)
