@@ -379,6 +379,8 @@ def summarize(raw: dict, workloads: dict[str, wl.SuiteWorkload], model: str) -> 
                 "out_tok_s": tokens / secs,
                 "output_tokens": tokens,
             }
+            if any("threads" in r for r in row["runs"]):  # plait: each run's thread record
+                s["threads_all"] = [r.get("threads", {}) for r in row["runs"]]
             if ref is not None:
                 s["same_output_as_ref"] = sum(a == b for a, b in zip(outputs, ref)) / len(ref)
             if w.json_schema:

@@ -187,7 +187,7 @@ class KVPool:
             # process, an engine that ran the judge workload before each decode run, 3 rounds
             # alternated with one that did not reset: decode 12.14 s against 12.57 (medians of
             # 6 runs each, SmolLM2 on the 2-core EPYC)
-            self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+            self.clear()
 
     def clear(self) -> None:
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64)

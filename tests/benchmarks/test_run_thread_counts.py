@@ -16,7 +16,7 @@ def _forwards(counts: dict[str, int]) -> int:
 def test_each_plait_run_records_its_forwards_per_thread_count(checkpoint):
     from benchmarks import engine as be
     from benchmarks import workloads as wl
-    from benchmarks.run import measure
+    from benchmarks.run import measure, summarize
     from plait.models.config import ModelConfig
 
     model = checkpoint("tiny-llama")
@@ -43,3 +43,7 @@ def test_each_plait_run_records_its_forwards_per_thread_count(checkpoint):
     assert 0 < total <= counted  # (the warm-ups ran between the two readings too)
     # a fixed thread count has no tuner: no record
     assert all("threads" not in r for r in res["decode"]["fixed"]["runs"])
+    # the results JSON keeps each run's record beside its time
+    summary = summarize(res, {"decode": w}, model)["decode"]
+    assert summary["adaptive"]["threads_all"] == recorded
+    assert "threads_all" not in summary["fixed"]
