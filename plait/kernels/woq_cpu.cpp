@@ -47,6 +47,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -275,15 +276,30 @@ struct Int8Weights {  // q as floats; the per-feature scale is applied at the st
 #endif
 };
 
-// where the fp32 panels' software prefetches go: L2 on Intel (cpp_build.prefetch_flags), L1
-// elsewhere. On the Intel Xeon VM, SmolLM2's 30 layers of linears + logits with L2 instead of L1
-// for the single tile's stream: 4 rows 1.12-1.13x, 8 and 12 rows 1.09x, 1 row even (15
-// alternated repeats, twice); for the spread prefetches of the next panel ~1.03x at 32 rows.
+// where the fp32 panels' software prefetches go. On the Intel Xeon VM L2 everywhere
+// (cpp_build.prefetch_flags: -DPLAIT_PREFETCH_L2): SmolLM2's 30 layers of linears + logits with
+// L2 instead of L1 for the single tile's stream: 4 rows 1.12-1.13x, 8 and 12 rows 1.09x, 1 row
+// even (15 alternated repeats, twice); for the spread prefetches of the next panel ~1.03x at 32
+// rows. Elsewhere (the AMD VMs) L2 below kL1FromRows rows, L1 from there on: on the Zen 4 EPYC
+// VM (SmolLM2's 30 layers of linears, the two builds alternated, 15 repeats, twice) L2 was
+// 1.10x faster at 1 row, 1.15x at 4, 1.29-1.31x at 8, 1.03-1.10x at 16, and 0.97x at 24-32
+// rows (even at 64), where a tile's prefetched share of the next block is used from L1 by
+// the tiles that follow it.
 #ifdef PLAIT_PREFETCH_L2
 constexpr auto kStreamHint = _MM_HINT_T1;
+constexpr int64_t kL1FromRows = std::numeric_limits<int64_t>::max();
 #else
 constexpr auto kStreamHint = _MM_HINT_T0;
+constexpr int64_t kL1FromRows = 24;
 #endif
+// the few-row tiles' weight stream (Fp32Weights: under kPairBlockMinRows rows): L2 on every CPU
+constexpr auto kSmallStreamHint = _MM_HINT_T1;
+
+// a streamed prefetch of the fp32 pair blocks' next block: into L2 or L1 (kL1FromRows)
+inline void stream_prefetch(const float* p, bool l2) {
+  if (l2) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
 
 struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 weights
   const float* w;
@@ -300,10 +316,10 @@ struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 w
     int64_t rate, k0;
     inline void pair(int64_t k, vf& w0, vf& w1) const {
       if (rate > 0) {
-        _mm_prefetch((const char*)(pf + (((k0 + k) * rate) >> 16) * 16), kStreamHint);
+        _mm_prefetch((const char*)(pf + (((k0 + k) * rate) >> 16) * 16), kSmallStreamHint);
       } else if (pf) {
-        _mm_prefetch((const char*)(pf + k * 32), kStreamHint);
-        _mm_prefetch((const char*)(pf + k * 32 + 16), kStreamHint);
+        _mm_prefetch((const char*)(pf + k * 32), kSmallStreamHint);
+        _mm_prefetch((const char*)(pf + k * 32 + 16), kSmallStreamHint);
       }
       w0 = vload(w + k * kPanel);
       w1 = vload(w + k * kPanel + 16);
@@ -873,7 +889,8 @@ constexpr int64_t kPairBlockRowsMax = kPairWholeRows - 1;
 template <int MR>
 void tile_pair_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* w,
                      const float* w1, float* __restrict c, bool first, bool last, const Dest& d0,
-                     const Dest& d1, int64_t m0, const float* n0, const float* n1, int64_t rate) {
+                     const Dest& d1, int64_t m0, const float* n0, const float* n1, int64_t rate,
+                     bool l2) {
   vf acc[MR][4];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; m++)
@@ -892,8 +909,8 @@ void tile_pair_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const 
     const float *p0 = n0, *p1 = n1;
     for (int64_t k = k0; k < k1; k++) {
       if (--left == 0) {
-        _mm_prefetch((const char*)p0, kStreamHint);
-        if (p1) _mm_prefetch((const char*)p1, kStreamHint), p1 += 16;
+        stream_prefetch(p0, l2);
+        if (p1) stream_prefetch(p1, l2), p1 += 16;
         p0 += 16;
         left = every;
       }
@@ -903,8 +920,8 @@ void tile_pair_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const 
     for (int64_t k = k0; k < k1; k++) {
       if (rate > 0) {  // line ((k - k0) rate) >> 16 of the tile's share of the next block
         const int64_t line = (((k - k0) * rate) >> 16) * 16;
-        _mm_prefetch((const char*)(n0 + line), kStreamHint);
-        if (n1) _mm_prefetch((const char*)(n1 + line), kStreamHint);
+        stream_prefetch(n0 + line, l2);
+        if (n1) stream_prefetch(n1 + line, l2);
       }
       pair_fma<MR>(acc, xm, ldx, k, w + (k - k0) * kPanel, w1 + (k - k0) * kPanel);
     }
@@ -920,12 +937,13 @@ template <int MAX>
 void tile_pair_block_rows(int64_t rows, const float* x, int64_t K, int64_t k0, int64_t k1,
                           const float* w, const float* w1, float* c, bool first, bool last,
                           const Dest& d0, const Dest& d1, int64_t m0, const float* n0,
-                          const float* n1, int64_t rate) {
+                          const float* n1, int64_t rate, bool l2) {
   if constexpr (MAX > 0) {
     if (rows == MAX)
-      return tile_pair_block<MAX>(x, K, k0, k1, w, w1, c, first, last, d0, d1, m0, n0, n1, rate);
+      return tile_pair_block<MAX>(x, K, k0, k1, w, w1, c, first, last, d0, d1, m0, n0, n1, rate,
+                                  l2);
     return tile_pair_block_rows<MAX - 1>(rows, x, K, k0, k1, w, w1, c, first, last, d0, d1, m0,
-                                         n0, n1, rate);
+                                         n0, n1, rate, l2);
   }
 }
 
@@ -939,6 +957,7 @@ void panel_pair_blocks(const float* x, int64_t K, const float* w, const Dest& d0
   const int64_t tiles = (r1 - r0 + kPairRows - 1) / kPairRows;
   const int64_t size = (r1 - r0) / tiles, larger = (r1 - r0) % tiles;
   alignas(64) float c[kPairBlockRowsMax * 64];
+  const bool l2 = r1 - r0 < kL1FromRows;
   for (int64_t k0 = 0; k0 < K; k0 += kPairBlock) {
     const int64_t k1 = std::min(K, k0 + kPairBlock);
     const bool last = k1 == K;
@@ -959,7 +978,7 @@ void panel_pair_blocks(const float* x, int64_t K, const float* w, const Dest& d0
       tile_pair_block_rows<kPairRows>(size + (t < larger), x, K, k0, k1, w + k0 * kPanel,
                                       w + (K + k0) * kPanel, c + (m - r0) * 64, k0 == 0, last,
                                       d0, d1, m, n0 ? n0 + skip : nullptr,
-                                      n1 ? n1 + skip : nullptr, rate);
+                                      n1 ? n1 + skip : nullptr, rate, l2);
     }
   }
 }
@@ -998,7 +1017,7 @@ void panel_pair_blocks_quantized(const float* x, int64_t K, const Weights& wa,
     for (int64_t m = r0, t = 0; m < r1; m += size + (t < larger), t++)
       tile_pair_block_rows<kPairRows>(size + (t < larger), x, K, k0, k1, block, block1,
                                       c + (m - r0) * 64, k0 == 0, k1 == K, d0, d1, m, nullptr,
-                                      nullptr, 0);
+                                      nullptr, 0, false);
   }
 }
 #endif
