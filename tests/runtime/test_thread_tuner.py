@@ -304,6 +304,28 @@ def test_a_one_off_cost_in_a_keys_first_forward_does_not_hold_it_on_the_slower_c
     assert used[-30:].count(2) >= 29  # (at most the one-forward re-check of 1 after the switch)
 
 
+def test_two_forwards_one_of_them_paying_a_one_off_cost_do_not_switch_to_a_slower_count():
+    """Measured in a full benchmark run: a warm-up's 32-token prefill key read 2 threads at
+    [202, 57] ms (the first forward paid a one-off cost; the two are evidence enough by their
+    time), then probed 1 thread at [80, 79, 84]. The mean of the two (130 ms) switched the key
+    to 1 thread, and larger keys started from it; the faster of two (57) keeps 2."""
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    first = [True]
+
+    def cost(n, now):
+        if n == 2 and first[0]:
+            first[0] = False
+            return 0.202
+        return {1: 0.080, 2: 0.057}[n]
+
+    used = run(tuner, clock, cost, 40, kind=EXTEND, tokens=32)
+    assert used[:5] == [2, 2, 1, 1, 1]
+    assert tuner.switches == 0
+    assert used[5:].count(2) == 35
+    assert tuner.stats()["keys"]["extend/32@0"]["best"] == 2
+
+
 def test_busy_seconds_reads_proc_stat():
     line = "cpu  800 100 50 9000 40 5 5 40 7 0"  # user nice system idle iowait irq softirq steal
     assert busy_seconds(line, 100) == pytest.approx((800 + 100 + 50 + 5 + 5 + 40) / 100)
