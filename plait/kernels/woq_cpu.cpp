@@ -282,7 +282,7 @@ struct Int8Weights {  // q as floats; the per-feature scale is applied at the st
 // even (15 alternated repeats, twice); for the spread prefetches of the next panel ~1.03x at 32
 // rows. On AMD with AVX-512 (Zen 4) L2 below kL1FromRows rows, L1 from there on: on the Zen 4
 // EPYC VM (SmolLM2's 30 layers of linears, the two builds alternated, 15 repeats, twice) L2 was
-// 1.05-1.10x faster at 1 row, 1.11-1.15x at 4, 1.29-1.31x at 8, 1.10-1.12x at 16, and 0.97x at
+// 1.05-1.10x faster at 1 row, 1.11-1.15x at 4, 1.29-1.35x at 8, 1.10-1.12x at 16, and 0.97x at
 // 24-32 rows, where a tile's prefetched share of the next block is read from L1 by the tiles
 // that follow it (64 and 200 rows alike). The AVX2 build on AMD keeps L1 (into L2 measured
 // slower on the AVX2 EPYC VM).

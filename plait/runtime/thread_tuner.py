@@ -13,16 +13,15 @@ host's load (HostLoad: the cores other processes used lately, rounded), so that 
 beside a competitor is compared with forwards beside one, and a rare forward (a large prefill)
 starts on what its load level learnt even when contention changed since it last ran. Per key
 the tuner runs the count that measured fastest (median of its recent forwards; the faster of
-two) and probes the
-alternatives: when one was never measured, when its estimate is older than `stale_after_s`
-(or `max_interval` forwards passed), and at once when the running count's time jumped or
-drifted and stayed so over a few re-measured forwards (a stall of a few forwards is no
-change); probes of a count measured k times slower are spaced so that they cost about
-`probe_budget` of the time, and one far slower stops after a single forward. A new key takes
-what the nearest smaller key of its kind and load measured clearly slower as measured (a large
-forward's first probe of 1 thread cost it ~2x). Pure logic: the
-caller sets torch's thread count and times the forward (`choose`, then `record`); the clock
-and the host's counters are injectable for tests.
+two when it has only two) and probes the alternatives: when one was never measured, when its
+estimate is older than `stale_after_s` (or `max_interval` forwards passed), and at once when
+the running count's time jumped or drifted and stayed so over a few re-measured forwards (a
+stall of a few forwards is no change); probes of a count measured k times slower are spaced so
+that they cost about `probe_budget` of the time, and one far slower stops after a single
+forward. A new key takes what the nearest smaller key of its kind and load measured clearly
+slower as measured (a large forward's first probe of 1 thread cost it ~2x). Pure logic: the
+caller sets torch's thread count and times the forward (`choose`, then `record`); the clock and
+the host's counters are injectable for tests.
 """
 
 from __future__ import annotations
@@ -367,8 +366,8 @@ class ThreadTuner:
 
     def stats(self) -> dict:
         """What the scheduler reports: the count and load level now, forwards per count,
-        probes, switches, and per key (kind/size@load) its best count and recent median
-        forward time per count (ms)."""
+        probes, switches, and per key (kind/size@load) its best count and estimated forward
+        time per count (ms: _Arm.estimate)."""
         keys = {}
         for (kind, bucket, load), key in sorted(self.keys.items()):
             ms = {str(n): round(1e3 * m, 3) for n, a in key.arms.items()

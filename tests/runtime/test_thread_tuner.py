@@ -52,6 +52,20 @@ def fixed(times: dict[int, float]):
     return lambda n, now: times[n]
 
 
+def first_forward_costs(times: dict[int, float], threads: int, first: float):
+    """fixed(times), except that the first forward on `threads` takes `first` seconds (a
+    one-off set-up paid inside it)."""
+    paid = []
+
+    def cost(n, now):
+        if n == threads and not paid:
+            paid.append(n)
+            return first
+        return times[n]
+
+    return cost
+
+
 def test_candidates_are_powers_of_two_up_to_the_maximum():
     assert candidate_counts(1) == (1,)
     assert candidate_counts(2) == (1, 2)
@@ -290,14 +304,7 @@ def test_a_one_off_cost_in_a_keys_first_forward_does_not_hold_it_on_the_slower_c
     the ~200 forwards that its 13x-slower reading would space probes by, nor after min_gap."""
     clock = FakeClock()
     tuner = ThreadTuner(2, clock)
-    first = [True]
-
-    def cost(n, now):
-        if n == 2 and first[0]:
-            first[0] = False
-            return 0.58
-        return {1: 0.045, 2: 0.025}[n]
-
+    cost = first_forward_costs({1: 0.045, 2: 0.025}, 2, 0.58)
     used = run(tuner, clock, cost, 60, kind=EXTEND, tokens=12)
     assert used[:4] == [2, 1, 1, 1] and tuner.switches == 2
     assert used.index(2, 1) <= 1 + 3 + tuner.cfg.recheck_gap + 1
@@ -311,14 +318,7 @@ def test_two_forwards_one_of_them_paying_a_one_off_cost_do_not_switch_to_a_slowe
     to 1 thread, and larger keys started from it; the faster of two (57) keeps 2."""
     clock = FakeClock()
     tuner = ThreadTuner(2, clock)
-    first = [True]
-
-    def cost(n, now):
-        if n == 2 and first[0]:
-            first[0] = False
-            return 0.202
-        return {1: 0.080, 2: 0.057}[n]
-
+    cost = first_forward_costs({1: 0.080, 2: 0.057}, 2, 0.202)
     used = run(tuner, clock, cost, 40, kind=EXTEND, tokens=32)
     assert used[:5] == [2, 2, 1, 1, 1]
     assert tuner.switches == 0
