@@ -277,34 +277,25 @@ struct Int8Weights {  // q as floats; the per-feature scale is applied at the st
 };
 
 // where the fp32 panels' software prefetches go. On the Intel Xeon VM L2 everywhere
-// (cpp_build.prefetch_flags: -DPLAIT_PREFETCH_L2): SmolLM2's 30 layers of linears + logits with
-// L2 instead of L1 for the single tile's stream: 4 rows 1.12-1.13x, 8 and 12 rows 1.09x, 1 row
-// even (15 alternated repeats, twice); for the spread prefetches of the next panel ~1.03x at 32
-// rows. On AMD with AVX-512 (Zen 4) L2 below kL1FromRows rows, L1 from there on: on the Zen 4
-// EPYC VM (SmolLM2's 30 layers of linears, the two builds alternated, 15 repeats, twice) L2 was
-// 1.05-1.10x faster at 1 row, 1.11-1.15x at 4, 1.29-1.35x at 8, 1.10-1.12x at 16, and 0.97x at
-// 24-32 rows, where a tile's prefetched share of the next block is read from L1 by the tiles
-// that follow it (64 and 200 rows alike). The AVX2 build on AMD keeps L1 (into L2 measured
-// slower on the AVX2 EPYC VM).
+// (cpp_build.prefetch_flags: -DPLAIT_PREFETCH_L2): SmolLM2's 30 layers of linears + logits with L2
+// instead of L1 for the single tile's stream: 4 rows 1.12-1.13x, 8 and 12 rows 1.09x, 1 row even
+// (15 alternated repeats, twice); for the spread prefetches of the next panel ~1.03x at 32 rows.
+// On AMD with AVX-512 (Zen 4) L2 below kL1FromRows rows (the pair blocks, below), L1 from there
+// on: on the Zen 4 EPYC VM (SmolLM2's 30 layers of linears, the two builds alternated, 15 repeats,
+// twice) L2 was 1.05-1.10x faster at 1 row, 1.11-1.15x at 4, 1.29-1.35x at 8, 1.10-1.12x at 16,
+// and 0.97x at 24-32 rows, where a tile's prefetched share of the next block is read from L1 by
+// the tiles that follow it (64 and 200 rows alike). The AVX2 build on AMD keeps L1 (into L2
+// measured slower on the AVX2 EPYC VM).
 #if defined(PLAIT_PREFETCH_L2)
 constexpr auto kStreamHint = _MM_HINT_T1;
 constexpr auto kSmallStreamHint = _MM_HINT_T1;  // the few-row tiles' stream (Fp32Weights)
-constexpr int64_t kL1FromRows = std::numeric_limits<int64_t>::max();
 #elif defined(__AVX512F__)
 constexpr auto kStreamHint = _MM_HINT_T0;
 constexpr auto kSmallStreamHint = _MM_HINT_T1;
-constexpr int64_t kL1FromRows = 24;
 #else
 constexpr auto kStreamHint = _MM_HINT_T0;
 constexpr auto kSmallStreamHint = _MM_HINT_T0;
-constexpr int64_t kL1FromRows = 0;
 #endif
-
-// a streamed prefetch of the fp32 pair blocks' next block: into L2 or L1 (kL1FromRows)
-inline void stream_prefetch(const float* p, bool l2) {
-  if (l2) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
-  else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
 
 struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 weights
   const float* w;
@@ -890,6 +881,18 @@ constexpr int64_t kPairBlock = 96;  // inputs per block (64 and 128 measured ali
 constexpr int64_t kPairBlockMinRows = 4;  // 2-3 rows: 0.97x (the one-panel tiles stay)
 constexpr int64_t kPairWholeRows = 128;  // from here on tile_pair over all K
 constexpr int64_t kPairBlockRowsMax = kPairWholeRows - 1;
+// the pair blocks' next-block prefetches go to L2 below this many rows, to L1 from there on
+// (see kStreamHint)
+#if defined(PLAIT_PREFETCH_L2)
+constexpr int64_t kL1FromRows = std::numeric_limits<int64_t>::max();
+#else
+constexpr int64_t kL1FromRows = 24;
+#endif
+
+inline void stream_prefetch(const float* p, bool l2) {
+  if (l2) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
 
 template <int MR>
 void tile_pair_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* w,
