@@ -33,14 +33,14 @@ def build_cpu_kernels() -> None:
     from plait.kernels.cpu_attention import start_decode_kernel
     from plait.kernels.cpu_extend import start_extend_kernel
     from plait.kernels.fused_ops import start_fused_ops
-    from plait.kernels.screen_amx import start_screen_kernel
+    from plait.kernels.screen_kernel import start_screen_kernel
     from plait.kernels.woq import start_linear_kernels
 
     start_decode_kernel(block=True)
     start_extend_kernel(block=True)
     start_fused_ops(block=True)
     start_linear_kernels(block=True)  # fp32 and the quantized linears alike
-    start_screen_kernel(block=True)  # the logit screen's, where the CPU has AMX
+    start_screen_kernel(block=True)  # the logit screen's, where the CPU has AMX or AVX512-BF16
 
 
 class PlaitEngine:

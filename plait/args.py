@@ -248,8 +248,8 @@ class ServerArgs:
         "plait/kernels/woq.py GateUpPanelLinear)",
     )
     disable_screen_kernel: bool = _opt(
-        False, "on a CPU with AMX-BF16, run the logit screen's bf16 GEMM through oneDNN instead "
-        "of plait's AMX kernel (plait/kernels/screen_amx.cpp; the same tokens)",
+        False, "on a CPU with AMX-BF16 or AVX512-BF16, run the logit screen's bf16 GEMM through "
+        "oneDNN instead of plait's kernel (plait/kernels/screen_kernel.cpp; the same tokens)",
     )
     quantization: str = _opt(
         "none", "CPU: weight-only quantized decoder-layer linears, quantized at load time from "

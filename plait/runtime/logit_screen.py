@@ -2,8 +2,10 @@
 
 A greedy row needs only its argmax, but the fp32 logits GEMM reads the whole output embedding
 every step (SmolLM2: 49,152 x 576 floats, 113 MB; ~4.4 ms of a 20 ms batch-1 step and ~6 ms
-of a 54 ms batch-32 step on the Xeon VM). The screen runs the same GEMM on bf16 copies
-(oneDNN, on the CPU's AMX or AVX512-BF16 units: 57 MB, 1.4-2.0 ms at batch 1-32) and bounds
+of a 54 ms batch-32 step on the Xeon VM). The screen runs the same GEMM on bf16 copies (57 MB:
+plait/kernels/screen_kernel.cpp on the CPU's AMX or AVX512-BF16 units, 2.1-2.7 ms at batch
+1-32 on the Xeon's AMX, 1.8-4.8 on a Zen 4's vectors; oneDNN's bf16 linear until that kernel
+is built, and beyond its rows) and bounds
 its error for every token; only the tokens whose upper bound reaches the best lower bound (one
 to six of 49,152 on SmolLM2's own hidden states) get their exact fp32 dot product, and the
 largest of those is the token. The pick is the fp32 GEMM's, not an approximation of it.
@@ -44,11 +46,12 @@ import torch
 
 from plait.kernels.cpp_build import cpu_flags
 from plait.kernels.fused_ops import fused_ops
-from plait.kernels.screen_amx import (
-    amx_capable,
+from plait.kernels.screen_kernel import (
+    kernel_capable,
+    kernel_kind,
     pack_weight,
     packed_shape,
-    screen_kernel,
+    screen_gemm,
     start_screen_kernel,
 )
 from plait.runtime.hugepages import huge_zeros
@@ -56,12 +59,12 @@ from plait.runtime.hugepages import huge_zeros
 logger = logging.getLogger(__name__)
 
 _PACK_BATCH_HINT = 64
-# rows up to which the AMX kernel runs the screen's GEMM (beyond, oneDNN's, whose copy stays):
-# at 64 rows and more its tile products outweigh the stream it saves (weight in cache:
-# plait-tiny's at 64 rows 2.41 vs 2.14 ms, 128 rows 4.61 vs 3.05; SmolLM2's cold at 128 rows
-# 7.07 vs 6.12), at 32 and fewer it wins either way (1.46 vs 1.85 ms hot, 2.6-2.7 vs 3.3-3.6
-# cold)
-AMX_ROWS = 32
+# rows up to which screen_kernel.cpp runs the screen's GEMM (beyond, oneDNN's, whose copy
+# stays). AMX: at 64 rows and more its tile products outweigh the stream it saves (weight in
+# cache: plait-tiny's at 64 rows 2.41 vs 2.14 ms, 128 rows 4.61 vs 3.05; SmolLM2's cold at 128
+# rows 7.07 vs 6.12), at 32 and fewer it wins either way (1.46 vs 1.85 ms hot, 2.6-2.7 vs
+# 3.3-3.6 cold). AVX512-BF16 vectors: see screen_kernel.cpp
+KERNEL_ROWS = {"amx": 32, "vector": 96}
 _OUTPUT_ROUNDING = 2.0**-7  # bf16 keeps 8 bits: 2^-8 relative, doubled as margin
 _NORM_SLACK = 1.0 + 1e-5  # the fp32 norms' own rounding
 
@@ -107,7 +110,8 @@ class LogitScreen:
     """The bf16 copy of the output embedding, its per-token error norms, and the exact pick
     (see the module docstring). `weight` [V, H] float32 stays referenced (the exact dots)."""
 
-    def __init__(self, weight: torch.Tensor, amx: bool = False, huge_pages: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, kernel: bool = False,
+                 huge_pages: bool = False) -> None:
         self.weight = weight.detach().contiguous()
         self.vocab_size, hidden = self.weight.shape
         with torch.inference_mode():
@@ -117,25 +121,25 @@ class LogitScreen:
             self.w_rest = ((self.weight - wb_f).norm(dim=1) * _NORM_SLACK).contiguous()
             del wb_f
             self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, _PACK_BATCH_HINT)
-            # the AMX kernel's copy (screen_amx.cpp), used once the kernel is built and checked
-            self.amx_packed = self._pack_amx(wb, huge_pages) if amx else None
-        self._amx_checked = False
+            # the kernel's copy (screen_kernel.cpp), used once the kernel is built and checked
+            self.kernel_packed = self._pack_kernel(wb, huge_pages) if kernel else None
+        self._kernel_checked = False
         gamma = hidden * 2.0**-24 / (1 - hidden * 2.0**-24)
         self.g = 2 * gamma
         self.c = _OUTPUT_ROUNDING
 
     @staticmethod
-    def _pack_amx(wb: torch.Tensor, huge_pages: bool) -> torch.Tensor:
+    def _pack_kernel(wb: torch.Tensor, huge_pages: bool) -> torch.Tensor:
         nbytes = math.prod(packed_shape(*wb.shape)) * wb.element_size()
         arena = huge_zeros(nbytes) if huge_pages else None  # a 57 MB stream: 2 MB pages
         return pack_weight(wb, None if arena is None else arena.view(torch.bfloat16))
 
     @classmethod
-    def build(cls, weight: torch.Tensor, amx: bool = True,
+    def build(cls, weight: torch.Tensor, kernel: bool = True,
               huge_pages: bool = False) -> LogitScreen | None:
         """The screen for an fp32 CPU weight, or None where it would not pay or not hold. On a
-        CPU with AMX-BF16 (unless not `amx`) the screen's GEMM moves to screen_amx.cpp once
-        that is built and checked."""
+        CPU with AMX-BF16 or AVX512-BF16 (unless not `kernel`) the screen's GEMM moves to
+        screen_kernel.cpp once that is built and checked."""
         if (
             weight.device.type != "cpu"
             or weight.dtype != torch.float32
@@ -144,7 +148,7 @@ class LogitScreen:
         ):
             return None
         try:
-            screen = cls(weight, amx=amx and amx_capable(), huge_pages=huge_pages)
+            screen = cls(weight, kernel=kernel and kernel_capable(), huge_pages=huge_pages)
             ok = screen.bound_holds(screen.approx_onednn)
         except (RuntimeError, AttributeError) as e:  # an op this torch build lacks
             logger.info("logit screen unavailable (%s); computing full logits", e)
@@ -152,33 +156,34 @@ class LogitScreen:
         if not ok:
             logger.warning("logit screen: the bf16 GEMM exceeds its error bound here; not used")
             return None
-        if screen.amx_packed is not None:
+        if screen.kernel_packed is not None:
             start_screen_kernel()
         return screen
 
     def approx(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
-        """[N, H] bf16 -> [N, V] bf16 screen values: up to AMX_ROWS rows the AMX kernel's once
-        it is built and its bound checked, else oneDNN's."""
-        if (self.amx_packed is not None and hidden_bf16.shape[0] <= AMX_ROWS
-                and screen_kernel() is not None):
-            if not self._amx_checked:
-                self._amx_checked = True
-                if self.bound_holds(self.approx_amx):
-                    logger.info("logit screen: bf16 GEMM on AMX tiles (screen_amx.cpp) up to "
-                                "%d rows", AMX_ROWS)
+        """[N, H] bf16 -> [N, V] bf16 screen values: up to KERNEL_ROWS rows screen_kernel.cpp's
+        once it is built and its bound checked, else oneDNN's."""
+        kind = kernel_kind() if self.kernel_packed is not None else None
+        if kind is not None and hidden_bf16.shape[0] <= KERNEL_ROWS[kind]:
+            if not self._kernel_checked:
+                self._kernel_checked = True
+                if self.bound_holds(self.approx_kernel):
+                    logger.info("logit screen: bf16 GEMM on %s (screen_kernel.cpp) up to %d "
+                                "rows", "AMX tiles" if kind == "amx" else "AVX512-BF16 vectors",
+                                KERNEL_ROWS[kind])
                 else:
-                    logger.warning("logit screen: the AMX kernel exceeds the error bound here; "
-                                   "oneDNN's GEMM stays")
-                    self.amx_packed = None
+                    logger.warning("logit screen: the %s kernel exceeds the error bound here; "
+                                   "oneDNN's GEMM stays", kind)
+                    self.kernel_packed = None
                     return self.approx_onednn(hidden_bf16)
-            return self.approx_amx(hidden_bf16)
+            return self.approx_kernel(hidden_bf16)
         return self.approx_onednn(hidden_bf16)
 
     def approx_onednn(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(hidden_bf16, self.packed, None, "none", [], "")
 
-    def approx_amx(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
-        return screen_kernel().screen_gemm(hidden_bf16, self.amx_packed, self.vocab_size)
+    def approx_kernel(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
+        return screen_gemm(hidden_bf16, self.kernel_packed, self.vocab_size)
 
     def bounds(self, hidden: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
         """e [N, V]: the screen's error bound for each row and token (torch, for the probe
@@ -190,7 +195,7 @@ class LogitScreen:
                 + self.c * approx.double().abs())
 
     def bound_holds(self, gemm, rows: int = 4) -> bool:
-        """The bound against `gemm` (approx_onednn or approx_amx: this machine's bf16 GEMM)
+        """The bound against `gemm` (approx_onednn or approx_kernel: this machine's bf16 GEMM)
         on probe rows (float64 products)."""
         gen = torch.Generator().manual_seed(0)
         hidden = torch.randn(rows, self.weight.shape[1], generator=gen) * 3

@@ -250,7 +250,7 @@ class ModelRunner:
             or args.quantize_lm_head
         ):
             return None
-        screen = LogitScreen.build(self.model.lm_head_weight, amx=not args.disable_screen_kernel,
+        screen = LogitScreen.build(self.model.lm_head_weight, kernel=not args.disable_screen_kernel,
                                    huge_pages=not args.disable_huge_pages)
         logger.info("logit screen: %s", "bf16, exact picks" if screen else "off (full logits)")
         return screen

@@ -11,9 +11,16 @@ import time
 import pytest
 import torch
 
-from plait.kernels.screen_amx import amx_capable, screen_kernel, start_screen_kernel
+from plait.kernels.screen_kernel import (
+    amx_capable,
+    kernel_capable,
+    kernel_kind,
+    screen_kernel,
+    start_screen_kernel,
+    vector_capable,
+)
 from plait.messages import TokenizedGenerateReq
-from plait.runtime.logit_screen import AMX_ROWS, LogitScreen, has_bf16_units
+from plait.runtime.logit_screen import KERNEL_ROWS, LogitScreen, has_bf16_units
 from tests.runtime.test_scheduler import outputs
 
 needs_bf16 = pytest.mark.skipif(not has_bf16_units(), reason="no AMX / AVX512-BF16 on this CPU")
@@ -56,40 +63,59 @@ def test_the_bound_holds_and_picks_are_the_fp32_argmax(screen_ops):
 
 
 @pytest.mark.heavy
-@pytest.mark.skipif(not amx_capable(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("path", [
+    pytest.param("screen_gemm", marks=pytest.mark.skipif(not amx_capable(),
+                                                         reason="no AMX-BF16 on this CPU")),
+    pytest.param("screen_gemm_vec", marks=pytest.mark.skipif(not vector_capable(),
+                                                             reason="no AVX512-BF16 on this CPU")),
+])
 @pytest.mark.parametrize("vocab,hidden", [(6000, 576), (1000, 100)])
-def test_the_amx_kernel_keeps_the_bound_and_takes_over_from_onednn(screen_ops, vocab, hidden,
-                                                                     monkeypatch):
-    """screen_amx.cpp's GEMM: every value within the screen's bound of the exact product, at
-    row counts of one tile, two, and more than one group of 32, with a vocabulary and a width
-    that are no multiples of 32 (the padded tails); once built and checked, `approx` runs it up
-    to AMX_ROWS rows (oneDNN beyond), and the picks stay the fp32 argmax."""
+def test_each_kernel_path_keeps_the_bound(screen_ops, path, vocab, hidden):
+    """screen_kernel.cpp's two GEMMs (AMX tiles; AVX512-BF16 vectors, which AMX CPUs have too):
+    every value within the screen's bound of the exact product, at row counts of one tile or
+    vector group, several (the vectors' groups of up to 12 rows: 17 rows as 9 + 8, 70 as six
+    of 11-12), and more than one group of 32, with a vocabulary and a width that are no
+    multiples of 32 (the padded tails); and no value further from oneDNN's than its rounding."""
     assert start_screen_kernel(block=True) and screen_kernel() is not None
+    gemm = getattr(screen_kernel(), path)
     w = _weight(vocab, hidden, seed=6)
     screen = LogitScreen.build(w, huge_pages=True)
-    assert screen.amx_packed is not None and screen.packed is not None
+    assert screen.kernel_packed is not None and screen.packed is not None
     for rows, seed in ((1, 7), (17, 8), (70, 9)):
         h = _hidden(w, rows, seed)
-        approx = screen.approx_amx(h.to(torch.bfloat16))
+        approx = gemm(h.to(torch.bfloat16), screen.kernel_packed, vocab)
         assert approx.shape == (rows, vocab) and approx.dtype == torch.bfloat16
         exact = h.double() @ w.double().t()
         assert ((approx.double() - exact).abs() <= screen.bounds(h, approx)).all()
-        # no value off by more than oneDNN's own rounding of the same sums
         onednn = screen.approx_onednn(h.to(torch.bfloat16))
         assert ((approx.double() - onednn.double()).abs()
                 <= 2.0**-7 * onednn.double().abs() + 1e-3).all()
+    # a hidden row whose width does not match the packed weight's is refused, not misread
+    with pytest.raises(RuntimeError, match="inputs against a packed width"):
+        gemm(torch.zeros(2, hidden + 40, dtype=torch.bfloat16), screen.kernel_packed, vocab)
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(not kernel_capable(), reason="no AMX-BF16 or AVX512-BF16 on this CPU")
+def test_the_kernel_takes_over_from_onednn_up_to_its_rows(screen_ops, monkeypatch):
+    """Once built and its bound checked, `approx` runs this CPU's kernel path up to
+    KERNEL_ROWS rows (oneDNN beyond), and the picks stay the fp32 argmax."""
+    assert start_screen_kernel(block=True) and kernel_kind() in KERNEL_ROWS
+    limit = KERNEL_ROWS[kernel_kind()]
+    w = _weight(6000, 576, seed=6)
+    screen = LogitScreen.build(w)
     calls = []
-    for name in ("approx_amx", "approx_onednn"):
+    for name in ("approx_kernel", "approx_onednn"):
         fn = getattr(screen, name)
         monkeypatch.setattr(screen, name, lambda x, _fn=fn, _name=name: calls.append(
             (_name, x.shape[0])) or _fn(x))
-    for rows in (5, AMX_ROWS + 1):
+    for rows in (5, limit + 1):
         h = _hidden(w, rows, seed=10)
-        _, argmax = screen(h, vocab).picks()  # the first call checks the AMX bound
+        _, argmax = screen(h, w.shape[0]).picks()  # the first call checks the kernel's bound
         assert torch.equal(argmax, (h @ w.t()).argmax(-1))
-    assert screen._amx_checked and screen.amx_packed is not None
-    assert ("approx_amx", 5) in calls and ("approx_onednn", AMX_ROWS + 1) in calls
-    assert ("approx_amx", AMX_ROWS + 1) not in calls
+    assert screen._kernel_checked and screen.kernel_packed is not None
+    assert ("approx_kernel", 5) in calls and ("approx_onednn", limit + 1) in calls
+    assert ("approx_kernel", limit + 1) not in calls
 
 
 @pytest.mark.heavy
