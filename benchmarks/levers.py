@@ -8,7 +8,12 @@ A variant is `default` or `field=value,field=value` (ServerArgs fields: true/fal
 numbers, strings). One plait.Engine per variant, all started first (and warmed up for a few
 seconds, so kernels built or loaded in the background are in place); each repeat then times
 every engine in turn, alternating, so a busy machine's load falls on all alike: (time of
-1 + steps new tokens - time of 1) / steps, prefix cache flushed, greedy, ignore_eos.
+1 + steps new tokens - time of 1) / steps, greedy, ignore_eos, the prompts cached in the
+engine's radix cache beforehand (as benchmarks/roofline.py does): each call prefills only its
+last prompt token. (Until 2026-11-28 the cache was flushed before every call, so each carried
+the whole prefill, B x context tokens, and its noise: at batch 32 x 256 a ~9 s prefill
+spread by +-1 s put +-60 ms on a 16-step difference of ~65 ms steps; two runs of the same
+pair of variants gave 1.06x and 0.60x.)
 Medians of the repeats; each variant is also given as a ratio of the first one's step time.
 """
 
@@ -82,8 +87,7 @@ def main(argv=None) -> int:
             prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.context)]
                        for _ in range(b)]
 
-            def timed(eng, n: int) -> float:
-                eng.flush_cache()
+            def timed(eng, n: int) -> float:  # the prompts stay cached: no prefill but one
                 t = time.perf_counter()
                 eng.generate(input_ids=prompts, sampling_params={
                     "max_new_tokens": n, "temperature": 0.0, "ignore_eos": True})
@@ -91,6 +95,7 @@ def main(argv=None) -> int:
 
             per: dict[str, list[float]] = {n: [] for n in names}
             for eng in engines.values():
+                eng.flush_cache()  # the last batch's prompts out, this one's in
                 timed(eng, 2)
             for _ in range(args.repeats):
                 for n, eng in engines.items():
