@@ -95,9 +95,14 @@ void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kb, i
   }
 }
 
-// hidden [M, K] bf16, packed (pack_weight's layout) -> [M, vocab] bf16 screen values
-torch::Tensor screen_gemm(const torch::Tensor& hidden, const torch::Tensor& packed, int64_t vocab) {
-  TORCH_CHECK(request_amx(), "screen_gemm: the kernel gives this process no AMX state");
+// What both GEMMs (screen_gemm, screen_gemm_vec) check of their operands: hidden [M, K] bf16,
+// packed in pack_weight's layout for K inputs and `vocab` tokens.
+struct Operands {
+  int64_t M, K, blocks, kb, Kp;  // rows, inputs, blocks of 32 tokens, of 32 inputs, padded K
+};
+
+Operands check_operands(const torch::Tensor& hidden, const torch::Tensor& packed,
+                        int64_t vocab) {
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == torch::kBFloat16 &&
                   hidden.dim() == 2,
               "hidden: [M, K] bfloat16 CPU rows");
@@ -105,11 +110,44 @@ torch::Tensor screen_gemm(const torch::Tensor& hidden, const torch::Tensor& pack
                   packed.dim() == 6 && packed.size(2) == 2 && packed.size(3) == 16 &&
                   packed.size(4) == 16 && packed.size(5) == 2,
               "packed: [V'/32, K'/32, 2, 16, 16, 2] bfloat16 (pack_weight)");
-  const int64_t M = hidden.size(0), K = hidden.size(1);
-  const int64_t blocks = packed.size(0), kb = packed.size(1), Kp = kb * 32;
-  TORCH_CHECK(K <= Kp && Kp - K < 32, "hidden: ", K, " inputs against a packed width of ", Kp);
-  TORCH_CHECK(vocab > 0 && vocab <= blocks * kBlock && vocab > (blocks - 1) * kBlock,
-              "vocab: ", vocab, " tokens against ", blocks, " packed blocks of 32");
+  const Operands o{hidden.size(0), hidden.size(1), packed.size(0), packed.size(1),
+                   packed.size(1) * 32};
+  TORCH_CHECK(o.K <= o.Kp && o.Kp - o.K < 32, "hidden: ", o.K,
+              " inputs against a packed width of ", o.Kp);
+  TORCH_CHECK(vocab > 0 && vocab <= o.blocks * kBlock && vocab > (o.blocks - 1) * kBlock,
+              "vocab: ", vocab, " tokens against ", o.blocks, " packed blocks of 32");
+  return o;
+}
+
+// The blocks in contiguous runs, one a thread (each thread's weight stream sequential):
+// body(b0, b1) on the thread that takes blocks [b0, b1).
+template <class Body>
+void over_blocks(int64_t blocks, const Body& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t th = t0; th < t1; th++)
+      body(blocks * th / threads, blocks * (th + 1) / threads);
+  });
+}
+
+// Rows [0, rows) of one block's fp32 sums c, rounded to bf16 (nearest even, as oneDNN does),
+// into the output rows from r0 at the block's first token j0 (of `vocab`: the last block's
+// tokens past it are not written).
+inline void store_block(const float (*c)[kBlock], int64_t rows, uint16_t* op, int64_t vocab,
+                        int64_t r0, int64_t j0) {
+  const int64_t cols = std::min<int64_t>(kBlock, vocab - j0);
+  const __mmask32 keep = cols == kBlock ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  for (int64_t r = 0; r < rows; r++) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(&c[r][16]), _mm512_load_ps(&c[r][0]));
+    _mm512_mask_storeu_epi16(op + (r0 + r) * vocab + j0, keep, (__m512i)v);
+  }
+}
+
+// hidden [M, K] bf16, packed (pack_weight's layout) -> [M, vocab] bf16 screen values
+torch::Tensor screen_gemm(const torch::Tensor& hidden, const torch::Tensor& packed, int64_t vocab) {
+  TORCH_CHECK(request_amx(), "screen_gemm: the kernel gives this process no AMX state");
+  const Operands ops = check_operands(hidden, packed, vocab);  // (plain names: lambdas take
+  const int64_t M = ops.M, K = ops.K, blocks = ops.blocks, kb = ops.kb, Kp = ops.Kp;  // them)
   auto out = torch::empty({M, vocab}, hidden.options());
   if (M == 0) return out;
   // Up to 32 rows the tiles take exactly M rows (fewer rows, faster tile products: 2.07 ms at
@@ -129,25 +167,14 @@ torch::Tensor screen_gemm(const torch::Tensor& hidden, const torch::Tensor& pack
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_elems = kb * 1024;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
     configure_tiles(rows0, rows1);
     alignas(64) float c[32][kBlock];
-    for (int64_t th = t0; th < t1; th++) {
-      const int64_t b0 = blocks * th / threads, b1 = blocks * (th + 1) / threads;
-      for (int64_t b = b0; b < b1; b++) {
-        const uint16_t* w = wp + b * block_elems;
-        const int64_t j0 = b * kBlock, cols = std::min<int64_t>(kBlock, vocab - j0);
-        const __mmask32 keep = cols == kBlock ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
-        for (int64_t r0 = 0; r0 < M; r0 += 32) {
-          const int64_t rows = std::min<int64_t>(32, M - r0);
-          block_rows(xp + r0 * Kp, Kp, w, kb, rows, r0 == 0, c);
-          for (int64_t r = 0; r < rows; r++) {  // round to bf16 (nearest even), as oneDNN does
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(&c[r][16]),
-                                                   _mm512_load_ps(&c[r][0]));
-            _mm512_mask_storeu_epi16(op + (r0 + r) * vocab + j0, keep, (__m512i)v);
-          }
-        }
+    for (int64_t b = b0; b < b1; b++) {
+      for (int64_t r0 = 0; r0 < M; r0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, M - r0);
+        block_rows(xp + r0 * Kp, Kp, wp + b * block_elems, kb, rows, r0 == 0, c);
+        store_block(c, rows, op, vocab, r0, b * kBlock);
       }
     }
     _tile_release();
@@ -224,18 +251,8 @@ BlockRowsVec pick_rows(int rows, std::integer_sequence<int, Rs...>) {
 
 torch::Tensor screen_gemm_vec(const torch::Tensor& hidden, const torch::Tensor& packed,
                               int64_t vocab) {
-  TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == torch::kBFloat16 &&
-                  hidden.dim() == 2,
-              "hidden: [M, K] bfloat16 CPU rows");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
-                  packed.dim() == 6 && packed.size(2) == 2 && packed.size(3) == 16 &&
-                  packed.size(4) == 16 && packed.size(5) == 2,
-              "packed: [V'/32, K'/32, 2, 16, 16, 2] bfloat16 (pack_weight)");
-  const int64_t M = hidden.size(0), K = hidden.size(1);
-  const int64_t blocks = packed.size(0), kb = packed.size(1), Kp = kb * 32;
-  TORCH_CHECK(K <= Kp && Kp - K < 32, "hidden: ", K, " inputs against a packed width of ", Kp);
-  TORCH_CHECK(vocab > 0 && vocab <= blocks * kBlock && vocab > (blocks - 1) * kBlock,
-              "vocab: ", vocab, " tokens against ", blocks, " packed blocks of 32");
+  const Operands ops = check_operands(hidden, packed, vocab);  // (plain names: lambdas take
+  const int64_t M = ops.M, K = ops.K, blocks = ops.blocks, kb = ops.kb, Kp = ops.Kp;  // them)
   auto out = torch::empty({M, vocab}, hidden.options());
   if (M == 0) return out;
   torch::Tensor x = hidden;  // rows of Kp inputs, zero-padded, read in place where they are
@@ -249,28 +266,18 @@ torch::Tensor screen_gemm_vec(const torch::Tensor& hidden, const torch::Tensor& 
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_elems = kb * 1024;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
     alignas(64) float c[kVecRows][kBlock];
-    for (int64_t th = t0; th < t1; th++) {
-      const int64_t b0 = blocks * th / threads, b1 = blocks * (th + 1) / threads;
-      for (int64_t b = b0; b < b1; b++) {
-        const uint16_t* w = wp + b * block_elems;
-        const int64_t j0 = b * kBlock, cols = std::min<int64_t>(kBlock, vocab - j0);
-        const __mmask32 keep = cols == kBlock ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
-        // the block kVecAhead on (the last ones: their own, already in cache)
-        const char* pf = reinterpret_cast<const char*>(
-            b + kVecAhead < blocks ? w + kVecAhead * block_elems : w);
-        for (int64_t g = 0; g < groups; g++) {
-          const int64_t r0 = M * g / groups, rows = M * (g + 1) / groups - r0;
-          pick_rows(static_cast<int>(rows), std::make_integer_sequence<int, kVecRows>())(
-              xp + r0 * Kp, Kp, w, kb, pf, g, groups, c);
-          for (int64_t r = 0; r < rows; r++) {  // round to bf16 (nearest even), as oneDNN does
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(&c[r][16]),
-                                                   _mm512_load_ps(&c[r][0]));
-            _mm512_mask_storeu_epi16(op + (r0 + r) * vocab + j0, keep, (__m512i)v);
-          }
-        }
+    for (int64_t b = b0; b < b1; b++) {
+      const uint16_t* w = wp + b * block_elems;
+      // the block kVecAhead on (the last ones: their own, already in cache)
+      const char* pf = reinterpret_cast<const char*>(
+          b + kVecAhead < blocks ? w + kVecAhead * block_elems : w);
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = M * g / groups, rows = M * (g + 1) / groups - r0;
+        pick_rows(static_cast<int>(rows), std::make_integer_sequence<int, kVecRows>())(
+            xp + r0 * Kp, Kp, w, kb, pf, g, groups, c);
+        store_block(c, rows, op, vocab, r0, b * kBlock);
       }
     }
   });
