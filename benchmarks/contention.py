@@ -14,7 +14,7 @@ Competitors (started once, kept busy for the whole contended phase, then stopped
 
 Each repetition runs the workload quiet, then contended (the order reversed every other
 repetition); figures are medians. `--spin` sets how the measured plait's children's OpenMP
-threads wait (an A/B of plait/runtime/cpu_tuning.py's choice; competitors keep their own
+threads wait (an A/B of plait/runtime/child_env.py's choice; competitors keep their own
 settings): `plait` leaves plait's own setting,
 `bounded` spins briefly (GOMP_SPINCOUNT=20000, KMP_BLOCKTIME=1), `default` as OpenMP does by
 default (GOMP_SPINCOUNT=300000, KMP_BLOCKTIME=200). `--num-threads N` fixes plait's torch
@@ -227,7 +227,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workload", default="judge", choices=("judge", "decode", "json", "tree"))
     ap.add_argument("--spin", choices=tuple(SPIN), default="plait",
                     help="plait children's OpenMP waiting: plait's choice, a bounded spin, or "
-                         "OpenMP's default (an A/B of plait/runtime/cpu_tuning.py's choice)")
+                         "OpenMP's default (an A/B of plait/runtime/child_env.py's choice)")
     ap.add_argument("--num-threads", type=int, default=None,
                     help="fix plait's torch threads at N (default: plait's adaptive count)")
     ap.add_argument("--competitor-threads", type=int, default=None,

@@ -136,8 +136,8 @@ class ChildProcess:
         self.name = name
         read_fd, write_fd = os.pipe()
         cmd = [sys.executable, "-m", "plait.launch", role, str(write_fd)]
-        # bounded OpenMP spinning in the children: plait/runtime/cpu_tuning.py says why
-        from plait.runtime.cpu_tuning import child_env
+        # bounded OpenMP spinning in the children: plait/runtime/child_env.py says why
+        from plait.runtime.child_env import child_env
 
         self.popen = subprocess.Popen(
             cmd, pass_fds=(write_fd,), start_new_session=False, stdin=subprocess.PIPE,

@@ -100,12 +100,39 @@ def test_pack_layer_linears_replaces_only_large_fp32_projections():
 
 
 def test_child_env_bounds_openmp_spinning_and_keeps_user_settings():
-    from plait.runtime.cpu_tuning import THREAD_WAIT_ENV, child_env
+    from plait.runtime.child_env import THREAD_WAIT_ENV, child_env
 
     env = child_env({"PATH": "/bin"})
     assert {k: env[k] for k in THREAD_WAIT_ENV} == THREAD_WAIT_ENV
     assert int(env["GOMP_SPINCOUNT"]) < 300_000  # below libgomp's default spin
     assert child_env({"GOMP_SPINCOUNT": "300000"})["GOMP_SPINCOUNT"] == "300000"
+
+
+def test_children_start_before_the_parent_imports_torch():
+    """The parent starts its children without importing torch first (1-3 s on a 2-core host,
+    during which the children, which import it themselves, would not have started): checked
+    in a fresh interpreter at the moment ChildProcess calls Popen."""
+    import subprocess
+    import sys
+
+    code = (
+        "import subprocess, sys\n"
+        "seen = []\n"
+        "class Stop(Exception): pass\n"
+        "def popen(*a, **k):\n"
+        "    seen.append('torch' in sys.modules)\n"
+        "    raise Stop\n"
+        "subprocess.Popen = popen\n"
+        "from plait.launch import ChildProcess\n"
+        "try:\n"
+        "    ChildProcess('detokenizer', 'detokenizer', {})\n"
+        "except Stop:\n"
+        "    pass\n"
+        "print(seen)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[False]"
 
 
 @pytest.mark.model
@@ -114,7 +141,7 @@ def test_launched_children_wait_with_bounded_spin(tiny_llama, monkeypatch):
     """The scheduler and detokenizer processes really start with the bounded wait (OpenMP reads
     it once at start-up, so it must be in their environment, not set later)."""
     import plait
-    from plait.runtime.cpu_tuning import THREAD_WAIT_ENV
+    from plait.runtime.child_env import THREAD_WAIT_ENV
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     with plait.Engine(tiny_llama, max_total_tokens=1024) as eng:
