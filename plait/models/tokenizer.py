@@ -6,7 +6,8 @@ imports the model's configuration module, which pulls in torch.distributed and t
 detokenizer at every start. A checkpoint whose tokenizer_config.json names the generic fast
 class (every checkpoint plait writes: the embedded test models and converted GGUF files) is
 loaded as exactly that class straight from tokenizer.json (0.2 s); any other checkpoint goes
-through AutoTokenizer as before, so its class-specific behaviour is kept.
+through AutoTokenizer as before, so its class-specific behaviour is kept. The detokenizer
+needs only `decode`, and on such checkpoints gets it without transformers (load_decoder).
 """
 
 from __future__ import annotations
@@ -31,6 +32,56 @@ def load_tokenizer(path: str, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+class RawDecoder:
+    """decode(ids, skip_special_tokens) straight from the `tokenizers` library's Tokenizer:
+    what transformers' decode of a generic fast tokenizer calls, without its clean-up."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.backend = tokenizer
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def load_decoder(path: str) -> Any:
+    """What the detokenizer needs of the checkpoint's tokenizer, `decode(ids,
+    skip_special_tokens)`. Importing transformers costs that process ~1 s of CPU at every
+    start, beside the scheduler's own start-up on the same cores, for one method: where
+    transformers' decode is exactly the `tokenizers` library's (a generic fast tokenizer with
+    no space clean-up, whose tokenizer_config.json adds or marks no token that tokenizer.json
+    does not already hold as such), a RawDecoder on tokenizer.json; else load_tokenizer."""
+    raw = _raw_tokenizer(path)
+    return RawDecoder(raw) if raw is not None else load_tokenizer(path)
+
+
+def _raw_tokenizer(path: str) -> Any | None:
+    config_path = os.path.join(path, "tokenizer_config.json")
+    file = os.path.join(path, "tokenizer.json")
+    if not (os.path.isfile(config_path) and os.path.isfile(file)):
+        return None
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    if config.get("tokenizer_class") not in _GENERIC:
+        return None
+    if config.get("clean_up_tokenization_spaces") is not False:  # defaults differ by version
+        return None
+    with open(file, encoding="utf-8") as f:
+        added = {t["content"]: t for t in json.load(f).get("added_tokens", [])}
+    for entry in config.get("added_tokens_decoder", {}).values():
+        held = added.get(entry.get("content"))
+        if held is None or bool(held.get("special")) != bool(entry.get("special")):
+            return None
+    named = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
+    named += list(config.get("additional_special_tokens") or [])
+    for token in named:
+        content = token.get("content") if isinstance(token, dict) else token
+        if content is not None and not added.get(content, {}).get("special"):
+            return None  # transformers would make it special: skip_special_tokens then differs
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(file)
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

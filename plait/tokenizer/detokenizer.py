@@ -128,10 +128,10 @@ def _holdback(text: str, stops: list[str]) -> int:
 def run_detokenizer_process(tokenizer_path: str, input_addr: str, output_addr: str, ready_conn) -> None:
     logging.basicConfig(level="INFO", format="%(asctime)s detokenizer %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from plait.models.tokenizer import load_tokenizer
+    from plait.models.tokenizer import load_decoder
 
     try:
-        detok = Detokenizer(load_tokenizer(tokenizer_path))
+        detok = Detokenizer(load_decoder(tokenizer_path))
         ctx = zmq.Context()
         receiver = MessageReceiver(ctx, input_addr, bind=True)
         sender = MessageSender(ctx, output_addr, bind=False)
