@@ -45,7 +45,6 @@ UNSUPPORTED_FIELDS = (
 IGNORED_SAMPLING_FIELDS = ("spaces_between_special_tokens", "stream_interval")
 UNSUPPORTED_SAMPLING_FIELDS = (
     "stop_regex",
-    "logit_bias",
     "custom_params",
     "structural_tag",
     "beam_width",

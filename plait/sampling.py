@@ -30,6 +30,8 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CHOICES = 4096
 MAX_SPEC_CHARS = 1 << 20  # regex / ebnf / json_schema text
+MAX_LOGIT_BIAS = 1024  # biased token ids per request
+LOGIT_BIAS_RANGE = 100.0  # as OpenAI's API: each bias in [-100, 100]
 
 
 @dataclass
@@ -56,6 +58,9 @@ class SamplingParams:
     ebnf: str | None = None
     choices: list[str] | None = None
     json_object: bool = False
+    # {token id: bias} added to the logits before penalties, masks and sampling (OpenAI's and
+    # SGLang's logit_bias; JSON object keys are the ids as strings)
+    logit_bias: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +72,8 @@ class SamplingParams:
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             self.json_schema = schema_to_json(self.json_schema)
         self.validate()
+        if self.logit_bias is not None:  # canonical: "id" -> float, or None when empty
+            self.logit_bias = {str(int(k)): float(v) for k, v in self.logit_bias.items()} or None
         if 0.0 < self.temperature < GREEDY_TEMPERATURE:
             # dividing logits by a tiny temperature overflows; the intent is greedy
             self.temperature = 0.0
@@ -127,6 +134,8 @@ class SamplingParams:
                 raise RequestError(
                     "choices", f"at most {MAX_CHOICES} choices of {MAX_SPEC_CHARS} characters"
                 )
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
         given = [name for name in CONSTRAINT_FIELDS if self._constraint_value(name)]
         if len(given) > 1:
             raise RequestError(
@@ -140,6 +149,15 @@ class SamplingParams:
                 raise RequestError(
                     "stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})"
                 )
+        for t in self.logit_bias_ids:
+            if t >= vocab_size:
+                raise RequestError(
+                    "logit_bias", f"token id {t} is outside the vocabulary [0, {vocab_size})"
+                )
+
+    @property
+    def logit_bias_ids(self) -> list[int]:
+        return [int(k) for k in self.logit_bias] if self.logit_bias else []
 
     def _constraint_value(self, name: str) -> Any:
         value = getattr(self, name)
@@ -216,6 +234,32 @@ def schema_to_json(schema: Any) -> str:
         return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise RequestError("json_schema", f"not serializable as JSON ({e})") from None
+
+
+def _check_logit_bias(bias: Any) -> None:
+    """{token id: bias}: ids as integers or decimal strings (JSON object keys), each bias a
+    finite number in [-100, 100], at most MAX_LOGIT_BIAS entries."""
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias", f"must be an object of token id -> bias, got {_short(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+    seen: set[int] = set()
+    for key, value in bias.items():
+        if _is_int(key):
+            token = key
+        elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+            token = int(key)
+        else:
+            raise RequestError("logit_bias", f"keys must be token ids, got {_short(key)}")
+        if not 0 <= token <= MAX_INT:
+            raise RequestError("logit_bias", f"token id {_short(token)} is out of range")
+        if token in seen:
+            raise RequestError("logit_bias", f"token id {token} is given twice")
+        seen.add(token)
+        try:
+            _check_float("logit_bias", value, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+        except RequestError as e:
+            raise RequestError("logit_bias", f"token {token}: {e.message}") from None
 
 
 def _is_int(value: Any) -> bool:

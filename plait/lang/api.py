@@ -55,6 +55,7 @@ def gen(
     json_schema: Any = None,
     ebnf: str | None = None,
     json_object: bool | None = None,
+    logit_bias: dict[int | str, float] | None = None,
 ) -> Gen | Select:
     """Generate into variable `name`. Fields left None take run()'s defaults. `json_schema`
     is a dict, a JSON string or a Pydantic model class; `dtype` (int, float, bool, str)
@@ -93,6 +94,7 @@ def gen(
         json_schema=json_schema,
         ebnf=ebnf,
         json_object=json_object,
+        logit_bias=logit_bias,
     )
     logprobs = _given(
         return_logprob=return_logprob,

@@ -60,6 +60,7 @@ class Sampler:
             logits[:, self.valid_vocab_size :] = float("-inf")
         for i, r in enumerate(reqs):
             try:
+                self._apply_logit_bias(logits, i, r)
                 self._apply_penalties(logits, i, r)
                 self._apply_min_tokens(logits, i, r)
             except Exception as e:  # noqa: BLE001 - one request's parameters; the others go on
@@ -78,6 +79,13 @@ class Sampler:
         return SampleOutput(ids, logprobs, errors)
 
     # ------------------------------------------------------------------ logit processing
+    def _apply_logit_bias(self, logits: torch.Tensor, i: int, r: Req) -> None:
+        bias = r.sampling.logit_bias
+        if not bias:
+            return
+        ids = torch.tensor(r.sampling.logit_bias_ids)
+        logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+
     def _apply_penalties(self, logits: torch.Tensor, i: int, r: Req) -> None:
         sp = r.sampling
         if not sp.has_penalties:
@@ -184,14 +192,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 def argmax_suffices(req: Req) -> bool:
     """Whether req's next tokens are the argmax of its logits, masked by its grammar if it
-    has one (nothing else modifies or reads them: greedy, no logprobs, no penalties,
-    min_new_tokens reached), so a forward may return screened rows instead of the logits
-    (plait/runtime/logit_screen.py)."""
+    has one (nothing else modifies or reads them: greedy, no logprobs, no penalties or logit
+    bias, min_new_tokens reached), so a forward may return screened rows instead of the
+    logits (plait/runtime/logit_screen.py)."""
     sp = req.sampling
     return (
         sp.is_greedy
         and not req.return_logprob
         and not sp.has_penalties
+        and not sp.logit_bias
         and len(req.output_ids) >= sp.min_new_tokens
     )
 

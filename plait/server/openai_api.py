@@ -155,8 +155,6 @@ def check_model(request: Request, model: str | None) -> None:
 def sampling_params(
     req: _Sampling, max_tokens: int | None, constraint: dict[str, Any]
 ) -> SamplingParams:
-    if req.logit_bias:
-        raise RequestError("logit_bias", "not supported by plait")
     d: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "min_new_tokens": req.min_tokens,
@@ -178,6 +176,7 @@ def sampling_params(
         "ebnf": req.ebnf,
         "json_schema": req.json_schema,
         "choices": req.choices,
+        "logit_bias": req.logit_bias,
         **constraint,
     }
     try:

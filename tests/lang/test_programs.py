@@ -232,6 +232,20 @@ def test_min_tokens(backend):
     assert state.get_meta_info("x")["completion_tokens"] >= 6
 
 
+@pl.function
+def biased(s, token):
+    s += "Pick: " + pl.gen("x", max_tokens=3, temperature=0, logit_bias={token: 100})
+
+
+def test_logit_bias(backend):
+    runs = [biased.run(token=t, backend=backend) for t in (3000, 7000)]
+    assert all(state.error() is None for state in runs)
+    for state in runs:  # each step picks the biased token
+        x = state["x"]
+        assert x and x == x[: len(x) // 3] * 3
+    assert runs[0]["x"] != runs[1]["x"]
+
+
 RUBRIC = "You are a strict grader. Grade the answer as good or bad. " * 8
 
 

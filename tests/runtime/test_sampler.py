@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from plait.runtime.core import Req
-from plait.runtime.sampler import Sampler, _restrict_support
+from plait.runtime.sampler import Sampler, _restrict_support, argmax_suffices
 from plait.sampling import SamplingParams
 
 V = 10
@@ -19,6 +19,26 @@ def test_greedy_is_argmax():
     logits = torch.randn(3, V)
     out = Sampler(V, (0,), 0)(logits.clone(), [req(temperature=0.0)] * 3, None)
     assert out.next_ids == logits.argmax(-1).tolist()
+
+
+def test_logit_bias_is_added_to_the_logits():
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
+    top, second = logits[0].topk(2).indices.tolist()
+    s = Sampler(V, (0,), 0)
+    low = min(range(V), key=lambda t: float(logits[1, t]))
+    reqs = [req(temperature=0.0, logit_bias={top: -100}), req(temperature=0.0, logit_bias={low: 100})]
+    assert s(logits.clone(), reqs, None).next_ids == [second, low]
+    # a bias too small to overtake changes nothing; the exact sum decides a near tie
+    gap = float(logits[0, top] - logits[0, second])
+    assert s(logits[:1].clone(), [req(temperature=0.0, logit_bias={second: gap * 0.9})],
+             None).next_ids == [top]
+    assert s(logits[:1].clone(), [req(temperature=0.0, logit_bias={second: gap * 1.1})],
+             None).next_ids == [second]
+    # sampled rows see it too: +100 leaves the other tokens no mass
+    assert all(s(logits[1:].clone(), [req(temperature=1.0, seed=k, logit_bias={low: 100})],
+                 None).next_ids == [low] for k in range(20))
+    # the greedy pick then needs the biased logits: no screened rows for it
+    assert argmax_suffices(req(temperature=0.0)) and not argmax_suffices(reqs[0])
 
 
 def test_top_k_top_p_min_p_restrict_support():

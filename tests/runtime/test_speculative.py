@@ -186,6 +186,8 @@ def test_mixed_batch_sampled_constrained_and_logprobs(make_scheduler):
     reqs.append({**greedy("lp", prompts[3]), "return_logprob": True})
     reqs.append(greedy("seeded", prompts[4], temperature=0.8, seed=7))
     reqs.append(greedy("pen", prompts[5], repetition_penalty=1.3))
+    # a logit bias does not depend on the tokens before a row: verified drafts stay exact
+    reqs.append(greedy("bias", prompts[1], logit_bias={str(t): 4.0 for t in prompts[2][:3]}))
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
     reqs.append(greedy("json", prompts[0], json_schema=schema, max_new_tokens=16))
     res = assert_same(make_scheduler, reqs)

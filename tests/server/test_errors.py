@@ -57,7 +57,7 @@ BAD_REQUESTS = [
     ),
     (
         "/v1/chat/completions",
-        {"model": MODEL_NAME, "messages": CHAT, "logit_bias": {"1": 5}},
+        {"model": MODEL_NAME, "messages": CHAT, "logit_bias": {"1": 500}},
         400,
         "logit_bias",
     ),

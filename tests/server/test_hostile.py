@@ -158,7 +158,9 @@ HOSTILE = [
     # unknown and unsupported fields
     ("/generate", {"text": "x", "image_data": "b64"}, "image_data"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), "tools"),
-    ("/v1/chat/completions", chat(logit_bias={"5": 100}), "logit_bias"),
+    ("/v1/chat/completions", chat(logit_bias={"5": 1e9}), "logit_bias"),
+    ("/v1/chat/completions", chat(logit_bias={str(i): 1 for i in range(5000)}), "logit_bias"),
+    ("/generate", gen(logit_bias={"99999999": 1}), "logit_bias"),
 ]
 
 

@@ -226,6 +226,28 @@ def test_user_and_penalties_accepted(client):
     assert r.choices[0].message.content is not None
 
 
+def test_logit_bias(client):
+    """+100 on one token makes every greedy (and sampled) step pick it; a bias outside
+    [-100, 100] or on an id outside the vocabulary is a 400 naming logit_bias."""
+    plain = client.completions.create(model=MODEL_NAME, prompt=[1000, 2000], max_tokens=4,
+                                      temperature=0, logprobs=1)
+    pick = client.completions.create(model=MODEL_NAME, prompt=[1000, 2000], max_tokens=1,
+                                     temperature=0).choices[0].text
+    assert plain.choices[0].logprobs.tokens[0] == pick
+    for temperature in (0.0, 0.7):  # greedy rows (no screened picks for them) and sampled
+        biased = client.completions.create(
+            model=MODEL_NAME, prompt=[1000, 2000], max_tokens=4, temperature=temperature,
+            seed=1, logit_bias={"3000": 100},
+        )
+        text = biased.choices[0].text
+        assert text != pick * 4 and len(text) % 4 == 0 and text == text[: len(text) // 4] * 4
+    for bad in ({"3000": 500}, {"99999999": 1}, {"x": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2,
+                                           logit_bias=bad)
+        assert e.value.param == "logit_bias", bad
+
+
 def test_openai_client_errors(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)

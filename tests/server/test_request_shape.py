@@ -81,6 +81,20 @@ def test_tiny_temperature_is_greedy_and_errors_carry_fields():
     assert isinstance(e.value, ValueError)
 
 
+def test_logit_bias_is_validated_and_canonical():
+    sp = SamplingParams(logit_bias={5: 10, "7": -2.5})
+    assert sp.logit_bias == {"5": 10.0, "7": -2.5} and sp.logit_bias_ids == [5, 7]
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({"x": 1}, {"-1": 1}, {"1.5": 1}, {5: 101}, {5: float("nan")}, {5: "1"},
+                {True: 1}, [1, 2], {str(i): 1 for i in range(2000)}, {5: 1, "5": 2}):
+        with pytest.raises(RequestError) as e:
+            SamplingParams(logit_bias=bad)
+        assert e.value.field == "logit_bias", bad
+    with pytest.raises(RequestError) as e:
+        SamplingParams(logit_bias={"99": 1}).check_vocab(50)
+    assert e.value.field == "logit_bias" and "99" in e.value.message
+
+
 def test_from_dict_refuses_unknown_and_unsupported_fields():
     with pytest.raises(RequestError) as e:
         GenerateInput.from_dict({"text": "x", "bogus": 1})

@@ -42,6 +42,7 @@ _OPENAI_FIELDS = {
     "stop": "stop",
     "seed": "seed",
     "n": "n",
+    "logit_bias": "logit_bias",
 }
 # fields the API has no way to express (beyond their defaults)
 _UNSUPPORTED = (
@@ -185,7 +186,7 @@ def _sampling(params: SamplingParams, backend: str) -> dict[str, Any]:
         value = getattr(params, ours)
         if ours == "stop" and not value:
             continue
-        if ours == "seed" and value is None:
+        if ours in ("seed", "logit_bias") and value is None:
             continue
         out[theirs] = value
     return out
