@@ -97,14 +97,19 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content. Only text parts are served (a text-only model); any
+    other type (image_url, input_audio, file) is refused by name (check_content_parts), so its
+    own fields are let through here."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -130,14 +135,17 @@ def parse_body(cls: type[BaseModel], data: dict[str, Any]) -> Any:
 
 def _validation_error(e: ValidationError) -> RequestError:
     errors = e.errors()
-    unknown = [".".join(map(str, err["loc"])) for err in errors if err["type"] == "extra_forbidden"]
+    unknown = [_location(err) for err in errors if err["type"] == "extra_forbidden"]
     if unknown:
         return RequestError(unknown[0], f"unknown field{'s' if len(unknown) > 1 else ''}"
                             + (f" (also {', '.join(unknown[1:])})" if len(unknown) > 1 else ""))
-    err = errors[0]
-    # drop pydantic's union-branch names ('str', 'list[int]') from the location
+    return RequestError(_location(errors[0]), errors[0]["msg"])
+
+
+def _location(err: dict[str, Any]) -> str:
+    """The field's dotted path, without pydantic's union-branch names ('str', 'list[int]')."""
     loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPES))]
-    return RequestError(".".join(loc) or "body", err["msg"])
+    return ".".join(loc) or "body"
 
 
 _TYPES = {"str", "int", "float", "bool", "dict", "list", "function-after", "literal"}
@@ -206,9 +214,21 @@ def response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any]:
     return {"json_schema": fmt.json_schema.schema_}
 
 
+def check_content_parts(messages: list[ChatMessage]) -> None:
+    """Content given as parts: text parts only, each with its text."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "text":
+                raise RequestError(f"messages.{i}.content.{j}.type", "only text content parts "
+                                   f"are supported by this model, got {part.type!r}")
+            if not isinstance(part.text, str):
+                raise RequestError(f"messages.{i}.content.{j}.text", "required for a text part")
+
+
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("messages", "the model has no chat template; use /v1/completions")
+    check_content_parts(messages)
     conversation = []
     for m in messages:
         content = m.content
@@ -441,6 +461,7 @@ async def chat_completions(request: Request) -> Response:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
     tm = http_common.tokenizer_manager(request)
+    check_content_parts(req.messages)
     chars = sum(len(m.content or "") if isinstance(m.content, str) else
                 sum(len(p.text) for p in m.content or []) for m in req.messages)
     if chars > tm.limits.max_prompt_chars:

@@ -158,6 +158,14 @@ HOSTILE = [
     # unknown and unsupported fields
     ("/generate", {"text": "x", "image_data": "b64"}, "image_data"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), "tools"),
+    # content parts: text only, and a text part needs its text
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages.0.content.1.type"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "a", "bogus": 1}]),
+     "messages.0.bogus"),
     ("/v1/chat/completions", chat(logit_bias={"5": 1e9}), "logit_bias"),
     ("/v1/chat/completions", chat(logit_bias={str(i): 1 for i in range(5000)}), "logit_bias"),
     ("/generate", gen(logit_bias={"99999999": 1}), "logit_bias"),

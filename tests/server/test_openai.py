@@ -226,6 +226,15 @@ def test_user_and_penalties_accepted(client):
     assert r.choices[0].message.content is not None
 
 
+def test_text_content_parts_are_the_joined_string(client):
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    a, b = (client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": content}], max_tokens=4,
+        temperature=0) for content in (parts, "Hello there"))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
 def test_logit_bias(client):
     """+100 on one token makes every greedy (and sampled) step pick it; a bias outside
     [-100, 100] or on an id outside the vocabulary is a 400 naming logit_bias."""
