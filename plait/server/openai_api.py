@@ -122,6 +122,14 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # OpenAI fields that change nothing here, accepted as OpenAI's and vLLM's servers do
+    # (clients send them): metadata tags stored completions, parallel_tool_calls matters only
+    # with tools (refused), service_tier auto/default is the one tier; store=true, which
+    # plait cannot honour, is refused (check_openai_extras)
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
 
 
 def parse_body(cls: type[BaseModel], data: dict[str, Any]) -> Any:
@@ -212,6 +220,19 @@ def response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any]:
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise RequestError("response_format.json_schema.schema", "required for type json_schema")
     return {"json_schema": fmt.json_schema.schema_}
+
+
+def check_openai_extras(req: ChatCompletionRequest) -> None:
+    """The accepted-and-ignored OpenAI fields, within OpenAI's own bounds."""
+    if req.store:
+        raise RequestError("store", "plait does not store completions (only false)")
+    if req.service_tier not in (None, "auto", "default"):
+        raise RequestError("service_tier", f"plait serves one tier: 'auto' or 'default', "
+                           f"got {req.service_tier[:32]!r}")
+    if req.metadata is not None and (len(req.metadata) > 16 or any(
+            len(k) > 64 or len(v) > 512 for k, v in req.metadata.items())):
+        raise RequestError("metadata", "at most 16 pairs, keys of up to 64 characters and "
+                           "values of up to 512")
 
 
 def check_content_parts(messages: list[ChatMessage]) -> None:
@@ -455,6 +476,7 @@ async def chat_completions(request: Request) -> Response:
     check_model(request, req.model)
     if req.tools:
         raise RequestError("tools", "tool calling is not supported by plait")
+    check_openai_extras(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise RequestError("top_logprobs", "requires logprobs to be true")

@@ -158,6 +158,11 @@ HOSTILE = [
     # unknown and unsupported fields
     ("/generate", {"text": "x", "image_data": "b64"}, "image_data"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), "tools"),
+    # OpenAI fields accepted only where nothing changes
+    ("/v1/chat/completions", chat(store=True), "store"),
+    ("/v1/chat/completions", chat(service_tier="flex"), "service_tier"),
+    ("/v1/chat/completions", chat(metadata={str(i): "v" for i in range(17)}), "metadata"),
+    ("/v1/chat/completions", chat(metadata={"k": 5}), "metadata"),
     # content parts: text only, and a text part needs its text
     ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),

@@ -257,6 +257,14 @@ def test_logit_bias(client):
         assert e.value.param == "logit_bias", bad
 
 
+def test_openai_fields_that_change_nothing_are_accepted(client):
+    kwargs = dict(model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(**kwargs)
+    r = client.chat.completions.create(**kwargs, store=False, metadata={"run": "eval-1"},
+                                       service_tier="auto", parallel_tool_calls=False)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_openai_client_errors(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
