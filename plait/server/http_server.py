@@ -85,7 +85,9 @@ def create_app(
     keys = load_keys(args.api_key, args.api_key_file)
     state.key_policies = {p.name: p for p in keys.values()}
 
-    routers = [native_api.router, openai_api.router, router_compat.router]
+    routers = [
+        native_api.router, openai_api.router, openai_api.token_router, router_compat.router,
+    ]
     for router in routers:
         app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])

@@ -18,15 +18,18 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from plait.errors import RequestError
 from plait.io_struct import GenerateInput, ReqInput, ReqState
+from plait.models.tokenizer import encode_prompt
 from plait.sampling import SamplingParams
 from plait.server import http_common
 from plait.server.http_common import TokenTexts
 
 router = APIRouter(prefix="/v1")
+# vLLM's /tokenize and /detokenize, at the root as vLLM serves them
+token_router = APIRouter()
 
 MAX_TOP_LOGPROBS = 20
 # SamplingParams' field names -> the OpenAI request's, for error messages.
@@ -246,7 +249,8 @@ def check_content_parts(messages: list[ChatMessage]) -> None:
                 raise RequestError(f"messages.{i}.content.{j}.text", "required for a text part")
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
+                    add_generation_prompt: bool = True) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("messages", "the model has no chat template; use /v1/completions")
     check_content_parts(messages)
@@ -259,7 +263,7 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
         conversation.append({"role": role, "content": content or ""})
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as e:  # jinja raises for conversations the template refuses
         raise RequestError("messages", f"the chat template failed: {e}") from None
@@ -386,6 +390,74 @@ def chat_logprobs(state: ReqState, start: int, end: int, texts: TokenTexts) -> d
             }
         )
     return {"content": content}
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body: a text `prompt` (add_special_tokens default true: the ids
+    /generate and /v1/completions would run) or chat `messages` (through the chat template,
+    as /v1/chat/completions renders them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+@token_router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    req: TokenizeRequest = parse_body(TokenizeRequest, await http_common.read_json(request))
+    check_model(request, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError("prompt", "give exactly one of prompt and messages")
+    tm = http_common.tokenizer_manager(request)
+    limit = tm.limits.max_prompt_chars
+    if req.messages is not None:
+        if req.add_special_tokens:
+            raise RequestError("add_special_tokens", "the chat template places the special "
+                               "tokens: only false with messages")
+        check_content_parts(req.messages)
+        chars = sum(len(m.content or "") if isinstance(m.content, str) else
+                    sum(len(p.text) for p in m.content or []) for m in req.messages)
+        field = "messages"
+    else:
+        chars, field = len(req.prompt), "prompt"
+    if chars > limit:
+        raise RequestError(field, f"{chars} characters, over the limit of {limit} "
+                           "(--max-prompt-chars)")
+    if req.messages is not None:
+        ids = await asyncio.to_thread(chat_prompt_ids, tm.tokenizer, req.messages,
+                                      req.add_generation_prompt)
+    elif req.add_special_tokens is False:
+        ids = await asyncio.to_thread(tm.tokenizer.encode, req.prompt, add_special_tokens=False)
+    else:
+        ids = await asyncio.to_thread(encode_prompt, tm.tokenizer, req.prompt)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": tm.context_length, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = tm.tokenizer.convert_ids_to_tokens(ids)
+    return JSONResponse(out)
+
+
+@token_router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    req: DetokenizeRequest = parse_body(DetokenizeRequest, await http_common.read_json(request))
+    check_model(request, req.model)
+    tm = http_common.tokenizer_manager(request)
+    vocab = tm.limits.vocab_size
+    if len(req.tokens) > tm.context_length:
+        raise RequestError("tokens", f"{len(req.tokens)} ids, over the context length "
+                           f"{tm.context_length}")
+    for t in req.tokens:
+        if not 0 <= t < (vocab if vocab is not None else 2**31):
+            raise RequestError("tokens", f"token id {t} is outside the vocabulary [0, {vocab})")
+    text = await asyncio.to_thread(tm.tokenizer.decode, req.tokens)
+    return JSONResponse({"prompt": text})
 
 
 # ---------------------------------------------------------------------- endpoints

@@ -1,6 +1,7 @@
 """The server's OpenAPI document (`GET /openapi.json`), with the request bodies the routes
 read themselves (they parse raw JSON so that body size, nesting and field errors are theirs
-to report): the native /generate body, the OpenAI models, /abort_request.
+to report): the native /generate body, the OpenAI models, /abort_request, /tokenize and
+/detokenize.
 
 The schemas describe the shapes, not every bound: values outside the documented ranges are
 part of what a client may send, and get a 400 naming the field.
@@ -16,7 +17,12 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, create_model
 
 from plait.sampling import SamplingParams
-from plait.server.openai_api import ChatCompletionRequest, CompletionRequest
+from plait.server.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 
 def _sampling_model() -> type[BaseModel]:
@@ -62,6 +68,8 @@ BODIES: dict[str, type[BaseModel]] = {
     "/abort_request": AbortBody,
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 
 

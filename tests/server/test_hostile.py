@@ -340,7 +340,8 @@ def test_key_priority_caps_the_request_priority(hostile):
 
 def test_openapi_document_describes_every_body(http):
     doc = http.get("/openapi.json").json()
-    for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/abort_request"):
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/abort_request",
+                 "/tokenize", "/detokenize"):
         assert "requestBody" in doc["paths"][path]["post"], path
 
 
