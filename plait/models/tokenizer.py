@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 _GENERIC = {"PreTrainedTokenizerFast", "TokenizersBackend"}
@@ -54,6 +56,61 @@ def load_decoder(path: str) -> Any:
     does not already hold as such), a RawDecoder on tokenizer.json; else load_tokenizer."""
     raw = _raw_tokenizer(path)
     return RawDecoder(raw) if raw is not None else load_tokenizer(path)
+
+
+class DeferredTokenizer:
+    """The checkpoint's transformers tokenizer for the scheduler, which needs it only for
+    constrained requests (grammar vocabularies, jump-forward's re-encoding): loaded on a
+    background thread from start() on (called once the process reported ready: importing
+    transformers took ~0.8 s of every start-up before it), while `len()` and `decode` (the
+    sampler's vocabulary bound, stop strings) come from the tokenizers library, which on these
+    checkpoints answers exactly as transformers does (load_decoder's conditions). Any other
+    attribute waits for the load; resolve_tokenizer gives the transformers object itself."""
+
+    def __init__(self, path: str, raw: Any) -> None:
+        self._path = path
+        self._raw = raw
+        self._lock = threading.Lock()
+        self._future: Future | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._future is not None:
+                return
+            self._future = Future()
+        threading.Thread(target=self._load, name="plait-tokenizer", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            self._future.set_result(load_tokenizer(self._path))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
+            self._future.set_exception(e)
+
+    def resolved(self) -> Any:
+        self.start()
+        return self._future.result()
+
+    def __len__(self) -> int:
+        return self._raw.get_vocab_size(with_added_tokens=True)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.resolved(), name)
+
+
+def load_scheduler_tokenizer(path: str) -> Any:
+    """A DeferredTokenizer where load_decoder's conditions hold, else load_tokenizer's."""
+    raw = _raw_tokenizer(path)
+    return DeferredTokenizer(path, raw) if raw is not None else load_tokenizer(path)
+
+
+def resolve_tokenizer(tokenizer: Any) -> Any:
+    """The transformers tokenizer itself (waiting for a DeferredTokenizer's load)."""
+    return tokenizer.resolved() if isinstance(tokenizer, DeferredTokenizer) else tokenizer
 
 
 def _raw_tokenizer(path: str) -> Any | None:

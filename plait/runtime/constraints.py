@@ -92,10 +92,11 @@ class ConstraintTracker:
     def manager(self):
         if self._manager is None:  # created on first use: unconstrained servers never pay for it
             from plait.grammar.manager import GrammarManager
+            from plait.models.tokenizer import resolve_tokenizer
 
             self._manager = GrammarManager(
                 self.args.grammar_backend,
-                self.tokenizer,
+                resolve_tokenizer(self.tokenizer),  # the backends take transformers' own
                 self.vocab_size,
                 self.eos_ids,
                 compile_timeout=self.args.grammar_compile_timeout,

@@ -32,6 +32,7 @@ from plait.messages import (
     StatsOut,
     TokenizedGenerateReq,
 )
+from plait.models.tokenizer import DeferredTokenizer
 from plait.radix_cache.radix_cache import RadixCache
 from plait.runtime import logprobs
 from plait.runtime import schedule_policy as policy
@@ -47,6 +48,8 @@ from plait.runtime.step_timer import StepTimer
 from plait.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+TOKENIZER_IDLE_S = 0.5  # idle this long before a DeferredTokenizer starts loading
 
 
 class SchedulerIO(Protocol):
@@ -79,6 +82,13 @@ class Scheduler:
         self.sampler = Sampler(self.valid_vocab_size, self.eos_ids, args.random_seed)
         self.constraints = ConstraintTracker(args, tokenizer, cfg.vocab_size, self.eos_ids)
         self.stop_checker = StopChecker(tokenizer, self.eos_ids)
+        # a DeferredTokenizer (plait/models/tokenizer.py) loads transformers' tokenizer once
+        # the loop has been idle for TOKENIZER_IDLE_S, not beside the first requests' steps
+        # (the import holds the GIL for ~0.8 s); a constrained request before then loads it
+        self._tokenizer_to_start = (
+            tokenizer.start if isinstance(tokenizer, DeferredTokenizer) else None
+        )
+        self._idle_since: float | None = None
         self.outputs = OutputCollector(args.stream_interval)
         self.ratio = policy.NewTokenRatio()
         self.timer = StepTimer()
@@ -127,10 +137,22 @@ class Scheduler:
             self.fail_all(RequestFailed(f"internal error: {type(e).__name__}: {e}", 500))
             self._flush_outputs()
 
+    def _start_tokenizer_when_idle(self, idle: bool) -> None:
+        now = time.monotonic()
+        if not idle:
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= TOKENIZER_IDLE_S:
+            self._tokenizer_to_start()
+            self._tokenizer_to_start = None
+
     def step(self, idle_wait_s: float = 0.0) -> bool:
         """One iteration; returns True if a forward ran."""
         with self.timer("io"):
             idle = not self.has_work and not self.constraints.pending
+            if self._tokenizer_to_start is not None:
+                self._start_tokenizer_when_idle(idle)
             msgs = self.io.recv(idle_wait_s if idle else 0.0)
         for msg in msgs:
             self._dispatch(msg)

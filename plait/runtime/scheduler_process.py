@@ -13,7 +13,7 @@ import zmq
 
 from plait.args import ServerArgs
 from plait.messages import MessageReceiver, MessageSender
-from plait.models.tokenizer import load_tokenizer
+from plait.models.tokenizer import load_scheduler_tokenizer
 from plait.runtime.scheduler import Scheduler
 from plait.runtime.tp_worker import attach_sender, start_rank
 
@@ -92,7 +92,7 @@ def run_scheduler_process(
             torch.set_num_threads(args.num_threads)
         ctx = zmq.Context()
         io = ZmqSchedulerIO(ctx, input_addr, output_addr)
-        tokenizer = load_tokenizer(args.tokenizer_path or model_path)
+        tokenizer = load_scheduler_tokenizer(args.tokenizer_path or model_path)
         scheduler = Scheduler(args, model_path, io, tokenizer, tp)
         if tp is not None:  # each forward's inputs go to the other ranks first
             attach_sender(scheduler.runner)

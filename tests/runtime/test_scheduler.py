@@ -183,3 +183,43 @@ def test_kv_runs_put_each_requests_decode_tokens_in_adjacent_slots(make_schedule
     steps = {run: [b - a for row in rs for a, b in itertools.pairwise(row)] for run, rs in rows.items()}
     assert all(abs(d) == 4 for d in steps[0])  # interleaved
     assert steps[16].count(1) >= 0.9 * len(steps[16])  # adjacent but at a run's start
+
+
+def test_deferred_tokenizer_loads_once_the_loop_is_idle(tiny_llama, monkeypatch):
+    """The scheduler process's tokenizer (a DeferredTokenizer: transformers not imported at
+    start-up) starts loading only after the loop has idled TOKENIZER_IDLE_S, not while
+    requests run; a constrained request before that loads it on demand and is served."""
+    import time
+
+    from plait.args import ServerArgs
+    from plait.models.tokenizer import DeferredTokenizer, load_scheduler_tokenizer
+    from plait.runtime import scheduler as scheduler_module
+    from plait.runtime.scheduler_process import InProcessIO
+
+    monkeypatch.setattr(scheduler_module, "TOKENIZER_IDLE_S", 0.2)
+
+    def make():
+        tok = load_scheduler_tokenizer(tiny_llama)
+        assert isinstance(tok, DeferredTokenizer)
+        io = InProcessIO()
+        return Scheduler(ServerArgs(model_path=tiny_llama), tiny_llama, io, tok), io, tok
+
+    s, io, tok = make()
+    submit(io, "busy", [5, 6, 7, 8], max_new_tokens=12)
+    drain(s)  # busy steps, then the first idle step
+    assert tok._future is None, "loaded beside running requests"
+    started = time.monotonic()
+    while tok._future is None and time.monotonic() - started < 5:
+        s.step(idle_wait_s=0.02)
+    assert tok._future is not None and time.monotonic() - started >= 0.15
+    assert len(tok.resolved()) == len(tok)
+
+    s, io, tok = make()  # a grammar first: its backend needs transformers' tokenizer now
+    submit(io, "json", [5, 6, 7], max_new_tokens=24, json_object=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            isinstance(m, BatchTokenOut) and m.finished_reasons[0] for m in io.outbox):
+        s.step(idle_wait_s=0.01)
+        time.sleep(0.001)
+    assert not any(isinstance(m, RequestErrorOut) for m in io.outbox)
+    assert "json" in outputs(io) and tok._future is not None

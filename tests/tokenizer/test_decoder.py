@@ -69,3 +69,56 @@ def test_decoder_is_transformers_where_its_decode_could_differ(tiny_llama, tmp_p
         decoder = load_decoder(_copy(tiny_llama, tmp_path / name, **changes))
         assert not isinstance(decoder, RawDecoder), name
         assert callable(decoder.decode), name
+
+
+@pytest.mark.parametrize("which", ["embedded", "converted"])
+def test_deferred_tokenizer_is_transformers_without_loading_it_for_len_and_decode(
+        which, tiny_llama, converted):
+    from plait.models.tokenizer import (
+        DeferredTokenizer,
+        load_scheduler_tokenizer,
+        resolve_tokenizer,
+    )
+
+    path = tiny_llama if which == "embedded" else converted
+    deferred, reference = load_scheduler_tokenizer(path), load_tokenizer(path)
+    assert isinstance(deferred, DeferredTokenizer)
+    assert len(deferred) == len(reference)
+    ids = reference.encode("Hello, world! 2024", add_special_tokens=False)
+    ids += list(reference.all_special_ids)
+    for skip in (False, True):
+        assert deferred.decode(ids, skip_special_tokens=skip) == reference.decode(
+            ids, skip_special_tokens=skip)
+    # anything else is transformers' own, loaded on first use
+    assert deferred.encode("Hello", add_special_tokens=False) == reference.encode(
+        "Hello", add_special_tokens=False)
+    assert deferred.get_vocab() == reference.get_vocab()
+    assert type(resolve_tokenizer(deferred)) is type(reference)
+    assert resolve_tokenizer(reference) is reference
+
+
+def test_deferred_tokenizer_imports_transformers_only_when_asked(tiny_llama, tmp_path):
+    """len() and decode() (the scheduler's start-up and stop strings) do not import
+    transformers; start() loads it in the background; a checkpoint outside load_decoder's
+    conditions gets transformers' tokenizer at once."""
+    import subprocess
+    import sys
+
+    other = _copy(tiny_llama, tmp_path / "other", clean_up_tokenization_spaces=True)
+    code = (
+        "import sys, time\n"
+        "from plait.models.tokenizer import load_scheduler_tokenizer\n"
+        f"t = load_scheduler_tokenizer({tiny_llama!r})\n"
+        "n = len(t); t.decode([1, 2, 3])\n"
+        "before = 'transformers' in sys.modules\n"
+        "t.start()\n"
+        "t.resolved()\n"
+        "after = 'transformers' in sys.modules\n"
+        f"eager = type(load_scheduler_tokenizer({other!r})).__name__\n"
+        "print(before, after, eager)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after, eager = out.stdout.split()
+    assert (before, after) == ("False", "True") and eager != "DeferredTokenizer"
