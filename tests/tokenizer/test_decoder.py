@@ -117,7 +117,7 @@ def test_deferred_tokenizer_imports_transformers_only_when_asked(tiny_llama, tmp
         f"eager = type(load_scheduler_tokenizer({other!r})).__name__\n"
         "print(before, after, eager)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     before, after, eager = out.stdout.split()
