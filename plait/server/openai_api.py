@@ -249,6 +249,12 @@ def check_content_parts(messages: list[ChatMessage]) -> None:
                 raise RequestError(f"messages.{i}.content.{j}.text", "required for a text part")
 
 
+def message_chars(messages: list[ChatMessage]) -> int:
+    """The characters of the messages' contents (after check_content_parts)."""
+    return sum(len(m.content or "") if isinstance(m.content, str) else
+               sum(len(p.text) for p in m.content or []) for m in messages)
+
+
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
                     add_generation_prompt: bool = True) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
@@ -423,8 +429,7 @@ async def tokenize(request: Request) -> Response:
             raise RequestError("add_special_tokens", "the chat template places the special "
                                "tokens: only false with messages")
         check_content_parts(req.messages)
-        chars = sum(len(m.content or "") if isinstance(m.content, str) else
-                    sum(len(p.text) for p in m.content or []) for m in req.messages)
+        chars = message_chars(req.messages)
         field = "messages"
     else:
         chars, field = len(req.prompt), "prompt"
@@ -556,8 +561,7 @@ async def chat_completions(request: Request) -> Response:
             raise RequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
     tm = http_common.tokenizer_manager(request)
     check_content_parts(req.messages)
-    chars = sum(len(m.content or "") if isinstance(m.content, str) else
-                sum(len(p.text) for p in m.content or []) for m in req.messages)
+    chars = message_chars(req.messages)
     if chars > tm.limits.max_prompt_chars:
         raise RequestError(
             "messages", f"{chars} characters, over the limit of {tm.limits.max_prompt_chars} "
