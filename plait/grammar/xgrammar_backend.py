@@ -230,7 +230,14 @@ class XGrammarMatcher(Matcher):
     def find_jump_forward_string(self) -> str:
         if self._m.is_terminated() or self._m.is_completed():
             return ""  # EOS is a valid continuation: nothing is forced
-        return self._m.find_jump_forward_string()
+        try:
+            return self._m.find_jump_forward_string()
+        except UnicodeDecodeError:
+            # the forced bytes begin inside a UTF-8 character (a byte-level token took its
+            # first bytes, e.g. of a regex's 4-byte character): xgrammar hands them over as
+            # str and the decode fails. Nothing is forced then; the model decodes the rest
+            # under the mask (the outlines backend keeps the whole-character prefix instead)
+            return ""
 
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self._num_accepted:

@@ -72,6 +72,22 @@ def test_jump_forward_after_brace_starts_with_the_required_key(backends, tokeniz
 
 
 @pytest.mark.parametrize("name", BACKENDS)
+def test_jump_forward_inside_a_multibyte_character(backends, tokenizer, spelled, name):
+    """A byte-level token took the first byte of a 4-byte character the regex requires: the
+    forced rest starts inside it (xgrammar raised UnicodeDecodeError there, a 500 for the
+    request, found by the fuzz test). Forced text is whole characters (or nothing), and the
+    character's remaining bytes are still the only allowed continuation."""
+    matcher = compile_(backends, name, "regex", "\U0004AC77\x89").matcher()
+    first = spelled.index(b"\xf1")  # the one-byte token of U+4AC77's first UTF-8 byte
+    assert matcher.accept_token(first)
+    forced = matcher.find_jump_forward_string()
+    assert forced in ("", "\x89"), forced
+    rest = "\U0004AC77\x89".encode()[1:]
+    allowed = allowed_ids(matcher, len(spelled)).nonzero().flatten().tolist()
+    assert allowed and all(rest.startswith(spelled[t]) for t in allowed)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 def test_jump_forward_in_choices_and_regex(backends, tokenizer, name):
     matcher = compile_(backends, name, "choices", ["yes please", "yes sir"]).matcher()
     assert matcher.find_jump_forward_string() == "yes "
