@@ -249,17 +249,27 @@ def check_content_parts(messages: list[ChatMessage]) -> None:
                 raise RequestError(f"messages.{i}.content.{j}.text", "required for a text part")
 
 
-def message_chars(messages: list[ChatMessage]) -> int:
-    """The characters of the messages' contents (after check_content_parts)."""
-    return sum(len(m.content or "") if isinstance(m.content, str) else
-               sum(len(p.text) for p in m.content or []) for m in messages)
+def check_prompt_size(field: str, chars: int, limit: int) -> None:
+    """A prompt of `chars` characters is refused over --max-prompt-chars, before tokenizing."""
+    if chars > limit:
+        raise RequestError(field, f"{chars} characters, over the limit of {limit} "
+                           "(--max-prompt-chars; by default derived from the context length)")
+
+
+def check_messages(messages: list[ChatMessage], limit: int) -> None:
+    """Chat messages as they may be rendered: text content parts, at most `limit` characters."""
+    check_content_parts(messages)
+    check_prompt_size("messages", sum(
+        len(m.content or "") if isinstance(m.content, str) else
+        sum(len(p.text) for p in m.content or []) for m in messages), limit)
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
                     add_generation_prompt: bool = True) -> list[int]:
+    """The conversation's prompt ids through the chat template (messages as check_messages
+    leaves them)."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("messages", "the model has no chat template; use /v1/completions")
-    check_content_parts(messages)
     conversation = []
     for m in messages:
         content = m.content
@@ -423,19 +433,13 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("prompt", "give exactly one of prompt and messages")
     tm = http_common.tokenizer_manager(request)
-    limit = tm.limits.max_prompt_chars
     if req.messages is not None:
         if req.add_special_tokens:
             raise RequestError("add_special_tokens", "the chat template places the special "
                                "tokens: only false with messages")
-        check_content_parts(req.messages)
-        chars = message_chars(req.messages)
-        field = "messages"
+        check_messages(req.messages, tm.limits.max_prompt_chars)
     else:
-        chars, field = len(req.prompt), "prompt"
-    if chars > limit:
-        raise RequestError(field, f"{chars} characters, over the limit of {limit} "
-                           "(--max-prompt-chars)")
+        check_prompt_size("prompt", len(req.prompt), tm.limits.max_prompt_chars)
     if req.messages is not None:
         ids = await asyncio.to_thread(chat_prompt_ids, tm.tokenizer, req.messages,
                                       req.add_generation_prompt)
@@ -560,13 +564,7 @@ async def chat_completions(request: Request) -> Response:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
     tm = http_common.tokenizer_manager(request)
-    check_content_parts(req.messages)
-    chars = message_chars(req.messages)
-    if chars > tm.limits.max_prompt_chars:
-        raise RequestError(
-            "messages", f"{chars} characters, over the limit of {tm.limits.max_prompt_chars} "
-            "(--max-prompt-chars; by default derived from the context length)",
-        )
+    check_messages(req.messages, tm.limits.max_prompt_chars)
     # rendering and tokenizing a long conversation takes a while: off the event loop
     ids = await asyncio.to_thread(chat_prompt_ids, tm.tokenizer, req.messages)
     max_tokens = (
