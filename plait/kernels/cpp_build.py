@@ -6,6 +6,14 @@ a test that kills a server) leaves it behind, and every later load then waits fo
 Here each build is also serialised by an flock on a file beside it, which the kernel drops
 when its holder dies; whoever holds the flock knows nobody is building, so a leftover torch
 lock file is stale and removed before torch looks at it.
+
+A library not built yet is compiled by a builder process of its own (`python -m
+plait.kernels.cpp_build`, in its own session), which holds the flock until the compiler is
+done; the caller waits for it and then loads the library. Compiled inside the caller, a build
+outlived a caller that exited first (the main command answers in seconds, a build takes
+minutes on 2 cores): torch's compiler processes ran on, orphaned, after the flock was
+released, and the next plait process started the same compile beside them, into the same
+files (three sets at once after three short commands on a fresh machine).
 """
 
 from __future__ import annotations
@@ -89,6 +97,8 @@ def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldfla
         import fcntl
     except ImportError:  # not POSIX: torch's own lock only
         return build()
+    if not (build_dir / f"{versioned}.so").exists() and os.environ.get(_IN_BUILDER) != "1":
+        _run_builder(name, source, extra_cflags, extra_ldflags, build_dir)
     with open(build_dir / "plait.flock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
         try:
@@ -96,6 +106,34 @@ def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldfla
             return build()
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_IN_BUILDER = "PLAIT_KERNEL_BUILDER"
+
+
+def _run_builder(name: str, source: Path, extra_cflags: list[str], extra_ldflags: list[str],
+                 build_dir: Path) -> None:
+    """Compile in a builder process (this module's main) and wait for it. It runs in a session
+    of its own, so it finishes the build (and holds the flock) even if this process exits or
+    its process group is killed first; a later caller then waits on the flock instead of
+    compiling again. Its output goes to build.log beside the library."""
+    import json
+    import subprocess
+
+    spec = json.dumps([name, str(source), extra_cflags, extra_ldflags])
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, **{_IN_BUILDER: "1"})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    log = build_dir / "build.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "plait.kernels.cpp_build", spec], stdin=subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    if proc.wait() != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-20:]
+        raise RuntimeError(f"building {name} failed (exit {proc.returncode}; {log}):\n"
+                           + "\n".join(tail))
 
 
 class BackgroundBuild:
@@ -132,3 +170,16 @@ class BackgroundBuild:
             logger.warning("%s unavailable (%s); using torch's operators", self.what, e)
             return
         self._ready(module)
+
+
+def _builder_main(argv: list[str]) -> int:
+    """The builder process: compile (and import) one library under the flock."""
+    import json
+
+    name, source, extra_cflags, extra_ldflags = json.loads(argv[0])
+    load_extension(name, Path(source), extra_cflags, extra_ldflags)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_builder_main(sys.argv[1:]))
