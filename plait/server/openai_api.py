@@ -24,8 +24,9 @@ from plait.errors import RequestError
 from plait.io_struct import GenerateInput, ReqInput, ReqState
 from plait.models.tokenizer import encode_prompt
 from plait.sampling import SamplingParams
-from plait.server import http_common
+from plait.server import http_common, tool_calls
 from plait.server.http_common import TokenTexts
+from plait.server.tool_calls import Tool, ToolCall, ToolChoice, ToolPlan
 
 router = APIRouter(prefix="/v1")
 # vLLM's /tokenize and /detokenize, at the root as vLLM serves them
@@ -115,6 +116,7 @@ class ChatMessage(_Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls earlier in the conversation
 
 
 class ChatCompletionRequest(_Sampling):
@@ -123,14 +125,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    # OpenAI fields that change nothing here, accepted as OpenAI's and vLLM's servers do
-    # (clients send them): metadata tags stored completions, parallel_tool_calls matters only
-    # with tools (refused), service_tier auto/default is the one tier; store=true, which
-    # plait cannot honour, is refused (check_openai_extras)
-    metadata: dict[str, str] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # plait/server/tool_calls.py
     parallel_tool_calls: StrictBool | None = None
+    # OpenAI fields that change nothing here, accepted as OpenAI's and vLLM's servers do
+    # (clients send them): metadata tags stored completions, service_tier auto/default is the
+    # one tier; store=true, which plait cannot honour, is refused (check_openai_extras)
+    metadata: dict[str, str] | None = None
     store: StrictBool | None = None
     service_tier: str | None = None
 
@@ -172,8 +173,10 @@ def check_model(request: Request, model: str | None) -> None:
 
 
 def sampling_params(
-    req: _Sampling, max_tokens: int | None, constraint: dict[str, Any]
+    req: _Sampling, max_tokens: int | None, constraint: dict[str, Any],
+    constraint_field: str | None = None,
 ) -> SamplingParams:
+    """`constraint` from the request field `constraint_field` (response_format, tools)."""
     d: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "min_new_tokens": req.min_tokens,
@@ -201,7 +204,7 @@ def sampling_params(
     try:
         return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
     except RequestError as e:
-        raise openai_error(e, "response_format" if constraint else None) from None
+        raise openai_error(e, constraint_field) from None
 
 
 def openai_error(e: RequestError, constraint_field: str | None = None) -> RequestError:
@@ -260,14 +263,15 @@ def check_messages(messages: list[ChatMessage], limit: int) -> None:
     """Chat messages as they may be rendered: text content parts, at most `limit` characters."""
     check_content_parts(messages)
     check_prompt_size("messages", sum(
-        len(m.content or "") if isinstance(m.content, str) else
-        sum(len(p.text) for p in m.content or []) for m in messages), limit)
+        (len(m.content or "") if isinstance(m.content, str) else
+         sum(len(p.text) for p in m.content or []))
+        + sum(len(c.function.arguments) for c in m.tool_calls or []) for m in messages), limit)
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
-                    add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    tools: list[Tool] | None = None) -> list[int]:
     """The conversation's prompt ids through the chat template (messages as check_messages
-    leaves them)."""
+    leaves them; the tools and earlier calls as tool_calls.py passes them)."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("messages", "the model has no chat template; use /v1/completions")
     conversation = []
@@ -276,10 +280,18 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if m.role == "developer" else m.role
-        conversation.append({"role": role, "content": content or ""})
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = tool_calls.template_tool_calls(m.tool_calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        conversation.append(message)
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation, tools=tool_calls.template_tools(tools), tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except Exception as e:  # jinja raises for conversations the template refuses
         raise RequestError("messages", f"the chat template failed: {e}") from None
@@ -555,9 +567,9 @@ async def chat_completions(request: Request) -> Response:
     body = await http_common.read_json(request)
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     check_model(request, req.model)
-    if req.tools:
-        raise RequestError("tools", "tool calling is not supported by plait")
     check_openai_extras(req)
+    tool_plan = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                _other_constraint(req))
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise RequestError("top_logprobs", "requires logprobs to be true")
@@ -566,15 +578,19 @@ async def chat_completions(request: Request) -> Response:
     tm = http_common.tokenizer_manager(request)
     check_messages(req.messages, tm.limits.max_prompt_chars)
     # rendering and tokenizing a long conversation takes a while: off the event loop
-    ids = await asyncio.to_thread(chat_prompt_ids, tm.tokenizer, req.messages)
+    ids = await asyncio.to_thread(chat_prompt_ids, tm.tokenizer, req.messages, True, req.tools)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     if max_tokens is None:  # as much as the context leaves
         max_tokens = max(0, tm.context_length - len(ids))
-    sp = sampling_params(req, max_tokens, response_format_constraint(req.response_format))
     fmt = req.response_format
-    constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None
+    if tool_plan is not None:
+        constraint, constraint_field = {"json_schema": tool_plan.schema}, "tools"
+    else:
+        constraint = response_format_constraint(fmt)
+        constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None
+    sp = sampling_params(req, max_tokens, constraint, constraint_field)
     inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs)
     texts = TokenTexts(tm.tokenizer)
     head = response_head(request, "chatcmpl", "chat.completion")
@@ -584,7 +600,7 @@ async def chat_completions(request: Request) -> Response:
             request,
             inputs,
             {**head, "object": "chat.completion.chunk"},
-            _chat_chunks(req, texts),
+            _chat_chunks(req, texts, tool_plan),
             first_chunks=roles,
             usage_n=req.n if _include_usage(req) else None,
             constraint_field=constraint_field,
@@ -593,15 +609,35 @@ async def chat_completions(request: Request) -> Response:
     choices = [
         {
             "index": i,
-            "message": {"role": "assistant", "content": s.text},
+            "message": _chat_message(s, tool_plan),
             "logprobs": chat_logprobs(s, 0, len(s.output_token_logprobs), texts)
             if req.logprobs
             else None,
-            "finish_reason": finish_reason(s),
+            "finish_reason": _chat_finish_reason(s, tool_plan),
         }
         for i, s in enumerate(states)
     ]
     return JSONResponse({**head, "choices": choices, "usage": usage(states, req.n)})
+
+
+def _other_constraint(req: ChatCompletionRequest) -> str | None:
+    """The field of an output constraint the request sets besides tools, if any."""
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    return next((f for f in ("regex", "ebnf", "json_schema", "choices")
+                 if getattr(req, f) is not None), None)
+
+
+def _chat_message(state: ReqState, plan: ToolPlan | None) -> dict[str, Any]:
+    calls = plan.calls(state.text) if plan is not None else None
+    if calls is None:
+        return {"role": "assistant", "content": state.text}
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def _chat_finish_reason(state: ReqState, plan: ToolPlan | None) -> str | None:
+    reason = finish_reason(state)
+    return plan.finish_reason if plan is not None and reason == "stop" else reason
 
 
 # ---------------------------------------------------------------------- streaming
@@ -679,14 +715,40 @@ def _completion_chunks(req: CompletionRequest, texts: TokenTexts) -> Callable[[D
     return render
 
 
-def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts) -> Callable[[Delta], list[dict]]:
+def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts,
+                 plan: ToolPlan | None) -> Callable[[Delta], list[dict]]:
+    """Content deltas; with a tool plan, a named function's arguments as tool_calls deltas
+    (the call's id and name first), a list of calls whole once the choice has finished."""
+    call_ids: dict[int, str] = {}
+    buffered: dict[int, int] = {}  # choice -> its first token not yet sent (list of calls)
+
     def render(d: Delta) -> list[dict]:
         chunks = []
-        if d.text or d.tokens[1] > d.tokens[0]:
+        reason = d.finish_reason
+        start = d.tokens[0]
+        if plan is not None and plan.named is None:  # a list of calls: sent whole at the end
+            start = buffered.setdefault(d.index, start)
+            if reason is None:
+                return []
+            calls = plan.calls(d.state.text)
+            delta: dict[str, Any] = (
+                {"content": d.state.text} if calls is None else
+                {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]})
+            logprobs = chat_logprobs(d.state, start, d.tokens[1], texts) if req.logprobs else None
+            chunks.append(_chat_choice(d.index, delta, logprobs=logprobs))
+        elif d.text or d.tokens[1] > d.tokens[0]:
             logprobs = chat_logprobs(d.state, *d.tokens, texts) if req.logprobs else None
-            chunks.append(_chat_choice(d.index, {"content": d.text}, logprobs=logprobs))
-        if d.finish_reason is not None:
-            chunks.append(_chat_choice(d.index, {}, d.finish_reason))
+            if plan is None:
+                delta = {"content": d.text}
+            elif d.index not in call_ids:
+                call = plan.calls(d.text)[0]
+                call_ids[d.index] = call["id"]
+                delta = {"tool_calls": [{"index": 0, **call}]}
+            else:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}
+            chunks.append(_chat_choice(d.index, delta, logprobs=logprobs))
+        if reason is not None:
+            chunks.append(_chat_choice(d.index, {}, _chat_finish_reason(d.state, plan)))
         return chunks
 
     return render

@@ -1,0 +1,224 @@
+"""OpenAI tool calling on /v1/chat/completions, made by the grammar instead of a parser.
+
+`tool_choice` "required" or a named function ({"type": "function", "function": {"name": N}})
+constrains the answer to a tool call by construction, as vLLM does for these two choices
+without a model-specific parser: a named function's answer is its `parameters` schema (the
+call's arguments), "required"'s a JSON array of one or more {"name", "parameters"} objects
+(at most one with `parallel_tool_calls: false`). The answer comes back as
+`message.tool_calls`. "none" answers in text. "auto", OpenAI's default when tools are given,
+lets the model choose between text and a call in its own tool-call format, which plait does
+not parse: it is refused by name rather than answered in text that ignores the tools.
+
+The tools are passed to the chat template (`tools`), as transformers and vLLM pass them; a
+template that does not mention them (SmolLM2's) leaves them out of the prompt, and the grammar
+still holds the answer to their schemas.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool
+
+from plait.errors import RequestError
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    """A call in an assistant message of the conversation so far."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPlan:
+    """How a request with tools is answered: `named` (one function's arguments) or a list of
+    calls (`required`); `schema` is the output's JSON schema."""
+
+    named: str | None
+    schema: dict[str, Any]
+
+    @property
+    def finish_reason(self) -> str:
+        # OpenAI ends a call it forced by name with "stop", a call the model chose with
+        # "tool_calls"
+        return "stop" if self.named is not None else "tool_calls"
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The answer's tool calls in OpenAI's form. A named function's call is its text (cut
+        short if max_tokens cut it, as OpenAI returns it); None for a list of calls that is
+        not whole."""
+        if self.named is not None:
+            return [_call(self.named, text)]
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return None
+        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                for c in calls]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def plan(tools: list[Tool] | None, choice: ToolChoice | None,
+         parallel_tool_calls: bool | None, other_constraint: str | None) -> ToolPlan | None:
+    """The request's tools and tool_choice checked; None when the answer is text."""
+    if not tools:
+        if tools is not None:
+            raise RequestError("tools", "must not be empty (leave it out for no tools)")
+        if choice not in (None, "none"):
+            raise RequestError("tool_choice", "needs tools")
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise RequestError("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    names: dict[str, int] = {}
+    for i, t in enumerate(tools):
+        name = t.function.name
+        if not _NAME.fullmatch(name):
+            raise RequestError(f"tools.{i}.function.name", "1 to 64 letters, digits, '_' or "
+                               f"'-', got {name[:80]!r}")
+        if name in names:
+            raise RequestError(f"tools.{i}.function.name", f"{name!r} is also tools.{names[name]}")
+        names[name] = i
+    if choice is None or choice == "auto":
+        raise RequestError("tool_choice", "'auto' (the default with tools) lets the model answer "
+                           "in its own tool-call format, which plait does not parse; use "
+                           "'required', a named function ({'type': 'function', 'function': "
+                           "{'name': ...}}) or 'none'")
+    if choice == "none":
+        return None
+    if other_constraint is not None:
+        raise RequestError(other_constraint, f"cannot be combined with tool_choice "
+                           f"{choice if isinstance(choice, str) else 'naming a function'}: "
+                           "the tool call is the answer's format")
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise RequestError("tool_choice.function.name", f"{name[:80]!r} is not one of the "
+                               "tools")
+        return ToolPlan(name, _parameters(tools[names[name]]))
+    defs: dict[str, Any] = {}
+    options = []
+    for i, t in enumerate(tools):
+        defs.update(_hoisted(_parameters(t), f"tool{i}", f"tools.{i}.function.parameters"))
+        options.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                           "parameters": {"$ref": f"#/$defs/tool{i}"}},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        })
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": options[0] if len(options) == 1 else {"anyOf": options},
+                              "$defs": defs}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return ToolPlan(None, schema)
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    # OpenAI: a function without parameters takes none
+    p = tool.function.parameters
+    return {"type": "object", "properties": {}} if p is None else p
+
+
+def _hoisted(schema: dict[str, Any], key: str, field: str) -> dict[str, Any]:
+    """`schema` as root-level definitions for an array schema that holds it below its root:
+    the schema under `key`, its own $defs / definitions beside it as key__name, and every
+    local $ref (which points from the schema's root) rewritten to match."""
+    schema = copy.deepcopy(schema)
+    own: dict[str, Any] = {}
+    for section in ("definitions", "$defs"):
+        defs = schema.pop(section, {})
+        if not isinstance(defs, dict):
+            raise RequestError(f"{field}.{section}", "must be an object of schemas")
+        own.update(defs)
+
+    def rewrite(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                node["$ref"] = _moved(ref[1:], key)
+            for v in node.values():
+                rewrite(v)
+        elif isinstance(node, list):
+            for v in node:
+                rewrite(v)
+
+    out = {key: schema, **{f"{key}__{name}": d for name, d in own.items()}}
+    rewrite(out)
+    return out
+
+
+def _moved(pointer: str, key: str) -> str:
+    for section in ("/$defs/", "/definitions/"):
+        if pointer.startswith(section):
+            name, _, rest = pointer[len(section):].partition("/")
+            return f"#/$defs/{key}__{name}" + (f"/{rest}" if rest else "")
+    return f"#/$defs/{key}{pointer}"
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them (transformers' `tools`: OpenAI's objects)."""
+    return None if not tools else [t.model_dump(exclude_none=True) for t in tools]
+
+
+def template_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """An assistant message's calls for the template: arguments as an object where they are
+    one (Hugging Face templates expect that), else as given."""
+    out = []
+    for c in calls:
+        try:
+            arguments: Any = json.loads(c.function.arguments)
+        except ValueError:
+            arguments = c.function.arguments
+        if not isinstance(arguments, dict):
+            arguments = c.function.arguments
+        out.append({"id": c.id, "type": "function",
+                    "function": {"name": c.function.name, "arguments": arguments}})
+    return out

@@ -1,0 +1,209 @@
+"""OpenAI tool calling (plait/server/tool_calls.py) through the official client against a real
+server: tool_choice "required" and a named function answer with tool calls whose arguments
+hold to the tools' schemas by construction, "none" in text, "auto" is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server.server_utils import MODEL_NAME
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+# a schema that refers to its own definitions: under "required" it sits below the array's root
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get-time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"$ref": "#/$defs/zone"}, "h24": {"type": "boolean"}},
+            "required": ["zone", "h24"],
+            "additionalProperties": False,
+            "$defs": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+        },
+    },
+}
+NO_PARAMETERS = {"type": "function", "function": {"name": "ping"}}
+SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"})
+           for t in (WEATHER, TIME, NO_PARAMETERS)}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def check_call(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+    return arguments
+
+
+@pytest.mark.parametrize("tool", [WEATHER, TIME, NO_PARAMETERS])
+def test_a_named_function_is_called_with_arguments_of_its_schema(client, tool):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, TIME, NO_PARAMETERS],
+        tool_choice=named(tool["function"]["name"]), max_tokens=64, temperature=0)
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop"  # OpenAI's reason for a call forced by name
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == tool["function"]["name"]
+    check_call(call)
+
+
+def test_required_answers_with_calls_of_the_given_tools(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required",
+        max_tokens=400, temperature=1.0, seed=3, n=4)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            check_call(call)
+    names = {c.function.name for ch in r.choices for c in ch.message.tool_calls}
+    assert names <= {"get_weather", "get-time"}
+
+
+def test_parallel_tool_calls_false_makes_one_call(client):
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required",
+            parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=seed)
+        (choice,) = r.choices
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        check_call(call)
+
+
+def test_a_call_cut_by_max_tokens_is_returned_as_text(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+        max_tokens=3, temperature=0)
+    (choice,) = r.choices
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is None and choice.message.content.startswith("[")
+
+
+def test_none_answers_in_text(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=8,
+        temperature=0)
+    plain = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0)
+    (choice,) = r.choices
+    assert choice.message.tool_calls is None
+    # the test model's template does not mention tools: the same prompt, the same answer
+    assert choice.message.content == plain.choices[0].message.content
+
+
+def test_streamed_calls_equal_the_whole_answer(client):
+    for choice_ in (named("get_weather"), "required"):
+        # one call at most: the random test model's greedy list of calls would not end
+        kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME],
+                  "tool_choice": choice_, "parallel_tool_calls": False, "max_tokens": 120,
+                  "temperature": 0}
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        calls: dict[int, dict] = {}
+        reasons = []
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for ch in chunk.choices:
+                reasons.append(ch.finish_reason)
+                for d in ch.delta.tool_calls or []:
+                    if d.id is not None:  # a call starts: its id and name come first
+                        assert d.index not in calls and d.function.name
+                        calls[d.index] = {"name": d.function.name, "arguments": ""}
+                    calls[d.index]["arguments"] += d.function.arguments or ""
+        assert [r for r in reasons if r] == [whole.finish_reason]
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+def test_a_conversation_with_earlier_calls_is_served(client):
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+        }]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"},
+    ]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER],
+                                       tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.content is not None
+
+
+def test_tools_and_calls_reach_the_chat_template(server):
+    """A template that renders tools and earlier calls sees them (transformers' `tools`, and
+    a call's arguments as an object)."""
+    from transformers import AutoTokenizer
+
+    from plait.server.openai_api import ChatCompletionRequest, chat_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(server.args.model_path)
+    tok.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} "
+        "{{ c.function.arguments.city }}]{% endfor %}{% endfor %}")
+    req = ChatCompletionRequest.model_validate({"messages": [*MESSAGES, {
+        "role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]}],
+        "tools": [WEATHER, TIME]})
+    text = tok.decode(chat_prompt_ids(tok, req.messages, False, req.tools))
+    assert "[tool get_weather][tool get-time]" in text and "[call get_weather Oslo]" in text
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto", the default with tools
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": named("nope")}, "tool_choice.function.name"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools.1.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"},
+     "tools.0.function.name"),
+    ({"tools": [], "tool_choice": "none"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}], "tool_choice": "required"},
+     "tools.0.type"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": named("get_weather"), "regex": "a+"}, "regex"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
+     "messages.0.tool_calls.0.function"),
+])
+def test_bad_tools_are_a_400_naming_the_field(server, body, field):
+    resp = httpx.post(server.url + "/v1/chat/completions",
+                      json={"messages": MESSAGES, "max_tokens": 4, **body}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == field, err
