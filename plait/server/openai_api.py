@@ -44,6 +44,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: StrictBool = False
 
 
 class JsonSchemaFormat(_Body):
@@ -528,6 +530,7 @@ async def completions(request: Request) -> Response:
             head,
             _completion_chunks(req, texts),
             usage_n=req.n if _include_usage(req) else None,
+            continuous_usage=_continuous_usage(req),
         )
     states = await run(request, inputs)
     choices = []
@@ -603,6 +606,7 @@ async def chat_completions(request: Request) -> Response:
             _chat_chunks(req, texts, tool_plan),
             first_chunks=roles,
             usage_n=req.n if _include_usage(req) else None,
+            continuous_usage=_continuous_usage(req),
             constraint_field=constraint_field,
         )
     states = await run(request, inputs, constraint_field)
@@ -663,19 +667,28 @@ async def stream_response(
     render: Callable[[Delta], list[dict]],
     first_chunks: list[dict] | None = None,
     usage_n: int | None = None,
+    continuous_usage: bool = False,
     constraint_field: str | None = None,
 ) -> Response:
     """SSE response of OpenAI chunks: `render` turns each Delta into chunk bodies (without
-    the shared `head` fields); with usage_n (= n) a last chunk carries the usage."""
+    the shared `head` fields); with usage_n (= n) a last chunk carries the usage, and with
+    continuous_usage every chunk its choice's usage so far (first_chunks: one per choice)."""
     usage_field = {"usage": None} if usage_n is not None else {}
 
     async def chunks(outputs: AsyncIterator[tuple[int, ReqState]]) -> AsyncIterator[dict]:
         finals: dict[int, ReqState] = {}
-        for body in first_chunks or []:
-            yield {**head, **body, **usage_field}
+        extra = usage_field
+        for i, body in enumerate(first_chunks or []):
+            if continuous_usage:
+                extra = {"usage": _running_usage(len(inputs[i].input_ids or ()), 0)}
+            yield {**head, **body, **extra}
         async for delta in _deltas(outputs, len(inputs)):
+            if continuous_usage:
+                s = delta.state
+                extra = {"usage": _running_usage(
+                    s.meta.get("prompt_tokens", s.prompt_tokens), len(s.output_ids))}
             for body in render(delta):
-                yield {**head, **body, **usage_field}
+                yield {**head, **body, **extra}
             if delta.state.finished_reason is not None:
                 finals[delta.index] = delta.state
         if usage_n is not None:
@@ -762,3 +775,12 @@ def _chat_choice(index: int, delta: dict, reason: str | None = None, logprobs: A
 
 def _include_usage(req: _Sampling) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _continuous_usage(req: _Sampling) -> bool:
+    return _include_usage(req) and req.stream_options.continuous_usage_stats
+
+
+def _running_usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}

@@ -94,6 +94,28 @@ def test_stream_matches_non_stream(client, endpoint):
     assert usage.prompt_tokens == full.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats_counts_each_choice_so_far(client, endpoint):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage;
+    the counts grow to the final usage chunk's."""
+    create = client.chat.completions.create if endpoint == "chat" else client.completions.create
+    kwargs = dict(model=MODEL_NAME, max_tokens=10, temperature=1.0, seed=5, n=2, stream=True,
+                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+    kwargs.update(messages=CHAT) if endpoint == "chat" else kwargs.update(prompt="The weather is")
+    chunks = list(create(**kwargs))
+    *running, final = chunks
+    assert not final.choices and final.usage.completion_tokens > 0
+    last = {0: 0, 1: 0}
+    for c in running:
+        (choice,) = c.choices
+        u = c.usage
+        assert u.prompt_tokens == final.usage.prompt_tokens
+        assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+        assert u.completion_tokens >= last[choice.index]
+        last[choice.index] = u.completion_tokens
+    assert sum(last.values()) == final.usage.completion_tokens
+
+
 def test_stream_without_usage_has_no_usage_chunk(client):
     chunks = list(
         client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=3, stream=True)

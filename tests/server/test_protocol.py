@@ -121,6 +121,8 @@ def test_openai_fields_map_to_sampling_params():
         ({"temperature": "warm"}, "temperature"),
         ({"n": "many"}, "n"),
         ({"stream_options": {"include_usage": "yes please"}}, "stream_options.include_usage"),
+        ({"stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
+         "stream_options.continuous_usage_stats"),
     ],
 )
 def test_invalid_bodies_name_the_field(fields, param):
