@@ -730,37 +730,33 @@ def _completion_chunks(req: CompletionRequest, texts: TokenTexts) -> Callable[[D
 
 def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts,
                  plan: ToolPlan | None) -> Callable[[Delta], list[dict]]:
-    """Content deltas; with a tool plan, a named function's arguments as tool_calls deltas
-    (the call's id and name first), a list of calls whole once the choice has finished."""
+    """Content deltas; with a tool plan, tool_calls deltas: each call's id, type and name
+    first, then its arguments as they grow (a list of calls: tool_calls.CallStreamer)."""
+    streamers: dict[int, tool_calls.CallStreamer] = {}
     call_ids: dict[int, str] = {}
-    buffered: dict[int, int] = {}  # choice -> its first token not yet sent (list of calls)
 
     def render(d: Delta) -> list[dict]:
         chunks = []
-        reason = d.finish_reason
-        start = d.tokens[0]
-        if plan is not None and plan.named is None:  # a list of calls: sent whole at the end
-            start = buffered.setdefault(d.index, start)
-            if reason is None:
-                return []
-            calls = plan.calls(d.state.text)
-            delta: dict[str, Any] = (
-                {"content": d.state.text} if calls is None else
-                {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]})
-            logprobs = chat_logprobs(d.state, start, d.tokens[1], texts) if req.logprobs else None
-            chunks.append(_chat_choice(d.index, delta, logprobs=logprobs))
-        elif d.text or d.tokens[1] > d.tokens[0]:
+        if d.text or d.tokens[1] > d.tokens[0]:
             logprobs = chat_logprobs(d.state, *d.tokens, texts) if req.logprobs else None
             if plan is None:
-                delta = {"content": d.text}
+                delta: dict[str, Any] = {"content": d.text}
+            elif plan.named is None:
+                streamer = streamers.setdefault(d.index, tool_calls.CallStreamer())
+                delta = {"tool_calls": streamer.deltas(d.state.text)}
             elif d.index not in call_ids:
                 call = plan.calls(d.text)[0]
                 call_ids[d.index] = call["id"]
                 delta = {"tool_calls": [{"index": 0, **call}]}
             else:
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}
-            chunks.append(_chat_choice(d.index, delta, logprobs=logprobs))
-        if reason is not None:
+            if delta.get("tool_calls") != [] or logprobs:
+                chunks.append(_chat_choice(d.index, delta, logprobs=logprobs))
+        if d.finish_reason is not None:
+            streamer = streamers.get(d.index)
+            if plan is not None and plan.named is None and (streamer is None or not streamer.ids):
+                # a list cut before its first call's name: the answer is its text
+                chunks.append(_chat_choice(d.index, {"content": d.state.text}))
             chunks.append(_chat_choice(d.index, {}, _chat_finish_reason(d.state, plan)))
         return chunks
 

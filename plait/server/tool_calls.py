@@ -87,22 +87,115 @@ class ToolPlan:
         return "stop" if self.named is not None else "tool_calls"
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The answer's tool calls in OpenAI's form. A named function's call is its text (cut
-        short if max_tokens cut it, as OpenAI returns it); None for a list of calls that is
-        not whole."""
+        """The answer's tool calls in OpenAI's form: a named function's call is its text; a
+        list's calls are those whose name it has written. An answer cut by max_tokens gives
+        what was written, as OpenAI returns it (None: a list cut before its first name)."""
         if self.named is not None:
             return [_call(self.named, text)]
-        try:
-            calls = json.loads(text)
-        except ValueError:
-            return None
-        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                for c in calls]
+        return [_call(name, arguments) for name, arguments in written_calls(text)] or None
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+@dataclasses.dataclass
+class ScannedCall:
+    """One call of a list of calls' text so far: its name once whole, where its parameters'
+    text starts, and where it ends once whole (else None: it runs to the text's end)."""
+
+    name: str | None = None
+    start: int | None = None
+    end: int | None = None
+
+
+def scan_calls(text: str) -> list[ScannedCall]:
+    """The calls in (a prefix of) a list of calls' JSON text, `[{"name": .., "parameters":
+    ..}, ..]`, whatever the keys' order and the whitespace: the parameters' text as the model
+    wrote it, so that streamed pieces add up to the whole answer's arguments."""
+    calls: list[ScannedCall] = []
+    depth, in_string, escaped = 0, False, False
+    string_start, key, expect_key, value_start = 0, None, True, None
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 2:  # a key or a value of a call's object
+                    if expect_key:
+                        key = json.loads(text[string_start:i + 1])
+                    elif key == "name":
+                        calls[-1].name = json.loads(text[string_start:i + 1])
+                    elif key == "parameters":
+                        calls[-1].end = i + 1
+            continue
+        if ch.isspace():
+            continue
+        if depth == 2 and not expect_key and key == "parameters" and calls[-1].start is None:
+            calls[-1].start = i
+        if ch == '"':
+            in_string, string_start = True, i
+        elif ch in "{[":
+            depth += 1
+            if depth == 2:
+                calls.append(ScannedCall())
+                expect_key = True
+        elif ch in "}]":
+            if depth == 3 and key == "parameters":
+                calls[-1].end = i + 1
+            elif depth == 2 and key == "parameters" and calls[-1].end is None:
+                calls[-1].end = value_start  # a number or literal ends here
+            depth -= 1
+        elif depth == 2 and ch == ":":
+            expect_key = False
+        elif depth == 2 and ch == ",":
+            if key == "parameters" and calls[-1].end is None:
+                calls[-1].end = value_start
+            expect_key, key = True, None
+        if depth == 2 and not expect_key and not ch.isspace() and ch not in ":,":
+            value_start = i + 1  # past the value's last character seen at this depth
+    return calls
+
+
+def written_calls(text: str) -> list[tuple[str, str]]:
+    """(name, arguments text) of each call of a list of calls' text (so far) whose name is
+    whole, up to the first whose name is not; an unfinished call's arguments up to their
+    last character (a trailing space may end a number)."""
+    out = []
+    for c in scan_calls(text):
+        if c.name is None:
+            break
+        if c.start is None:
+            out.append((c.name, ""))
+        else:
+            out.append((c.name, text[c.start:].rstrip() if c.end is None else text[c.start:c.end]))
+    return out
+
+
+class CallStreamer:
+    """A list of calls as OpenAI stream deltas, piece by piece: a call's id, type and name
+    once its name is whole, then its arguments as they grow."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.sent: list[int] = []
+
+    def deltas(self, text: str) -> list[dict[str, Any]]:
+        out = []
+        for j, (name, arguments) in enumerate(written_calls(text)):
+            if j == len(self.ids):
+                call = _call(name, "")
+                self.ids.append(call["id"])
+                self.sent.append(0)
+                out.append({"index": j, **call})
+            if len(arguments) > self.sent[j]:
+                out.append({"index": j, "function": {"arguments": arguments[self.sent[j]:]}})
+                self.sent[j] = len(arguments)
+        return out
 
 
 def plan(tools: list[Tool] | None, choice: ToolChoice | None,

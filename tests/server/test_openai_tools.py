@@ -103,12 +103,19 @@ def test_parallel_tool_calls_false_makes_one_call(client):
         check_call(call)
 
 
-def test_a_call_cut_by_max_tokens_is_returned_as_text(client):
+def test_a_cut_list_returns_the_calls_written_so_far(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+        max_tokens=22, temperature=0)
+    (choice,) = r.choices
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls  # OpenAI's form: the arguments cut where the answer was
+    assert call.function.name == "get_weather"
+    assert call.function.arguments.startswith('{"city": "')
     r = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
         max_tokens=3, temperature=0)
-    (choice,) = r.choices
-    assert choice.finish_reason == "length"
+    (choice,) = r.choices  # cut before the first name: the text
     assert choice.message.tool_calls is None and choice.message.content.startswith("[")
 
 
@@ -124,26 +131,64 @@ def test_none_answers_in_text(client):
     assert choice.message.content == plain.choices[0].message.content
 
 
-def test_streamed_calls_equal_the_whole_answer(client):
-    for choice_ in (named("get_weather"), "required"):
-        # one call at most: the random test model's greedy list of calls would not end
-        kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME],
-                  "tool_choice": choice_, "parallel_tool_calls": False, "max_tokens": 120,
-                  "temperature": 0}
-        whole = client.chat.completions.create(**kwargs).choices[0]
-        calls: dict[int, dict] = {}
-        reasons = []
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
-            for ch in chunk.choices:
-                reasons.append(ch.finish_reason)
-                for d in ch.delta.tool_calls or []:
-                    if d.id is not None:  # a call starts: its id and name come first
-                        assert d.index not in calls and d.function.name
-                        calls[d.index] = {"name": d.function.name, "arguments": ""}
-                    calls[d.index]["arguments"] += d.function.arguments or ""
-        assert [r for r in reasons if r] == [whole.finish_reason]
-        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
-            (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+@pytest.mark.parametrize("tool_choice, parallel, max_tokens", [
+    (named("get_weather"), False, 120),
+    ("required", False, 120),
+    ("required", True, 90),  # the random model's list goes on: cut inside a later call
+    ("required", False, 14),  # cut just after the first call's name
+    ("required", False, 22),  # cut inside the first call's arguments
+    ("required", False, 3),  # cut before the first name: text
+])
+def test_streamed_calls_equal_the_whole_answer(client, tool_choice, parallel, max_tokens):
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME],
+              "tool_choice": tool_choice, "parallel_tool_calls": parallel,
+              "max_tokens": max_tokens, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, list[str]] = {}
+    content, reasons = "", []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            reasons.append(ch.finish_reason)
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                if d.id is not None:  # a call starts: its id, type and name come first
+                    assert d.index == len(calls) and d.type == "function" and d.function.name
+                    calls[d.index] = [d.function.name, ""]
+                calls[d.index][1] += d.function.arguments or ""
+    assert [r for r in reasons if r] == [whole.finish_reason]
+    expected = [[c.function.name, c.function.arguments] for c in whole.message.tool_calls or []]
+    assert [calls[i] for i in sorted(calls)] == expected
+    assert content == (whole.message.content or "")
+    if max_tokens == 3:
+        assert not calls and content.startswith("[")
+    elif whole.finish_reason != "length":
+        for name, arguments in expected:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    if parallel:
+        assert len(expected) > 1
+
+
+@pytest.mark.parametrize("separators, indent", [((", ", ": "), None), ((",", ":"), None),
+                                                ((",", ": "), 2)])
+def test_a_list_of_calls_streams_piece_by_piece_to_its_whole_arguments(separators, indent):
+    """tool_calls.CallStreamer fed the text a character at a time, whatever the whitespace,
+    the keys' order, and strings holding brackets, commas and escaped quotes."""
+    from plait.server.tool_calls import CallStreamer, written_calls
+
+    calls = [{"name": "a", "parameters": {"q": 'x "y" }], {', "n": [1, {"m": None}]}},
+             {"parameters": 12, "name": "b"}, {"name": "e", "parameters": 7.5},
+             {"name": "c", "parameters": "s,}"},
+             {"name": "d", "parameters": {}}]
+    text = json.dumps(calls, separators=separators, indent=indent)
+    streamer, got = CallStreamer(), {}
+    for k in range(1, len(text) + 1):
+        for d in streamer.deltas(text[:k]):
+            if "id" in d:
+                got[d["index"]] = [d["function"]["name"], ""]
+            got[d["index"]][1] += d["function"]["arguments"]
+    assert [(n, json.loads(a)) for n, a in got.values()] == [
+        (c["name"], c["parameters"]) for c in calls]
+    assert [tuple(v) for v in got.values()] == written_calls(text)
 
 
 def test_a_conversation_with_earlier_calls_is_served(client):
