@@ -262,8 +262,12 @@ def check_prompt_size(field: str, chars: int, limit: int) -> None:
 
 
 def check_messages(messages: list[ChatMessage], limit: int) -> None:
-    """Chat messages as they may be rendered: text content parts, at most `limit` characters."""
+    """Chat messages as they may be rendered: text content parts, calls only in assistant
+    messages, at most `limit` characters."""
     check_content_parts(messages)
+    for i, m in enumerate(messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise RequestError(f"messages.{i}.tool_calls", "only assistant messages hold calls")
     check_prompt_size("messages", sum(
         (len(m.content or "") if isinstance(m.content, str) else
          sum(len(p.text) for p in m.content or []))
@@ -743,14 +747,15 @@ def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts,
                 delta: dict[str, Any] = {"content": d.text}
             elif plan.named is None:
                 streamer = streamers.setdefault(d.index, tool_calls.CallStreamer())
-                delta = {"tool_calls": streamer.deltas(d.state.text)}
+                pieces = streamer.deltas(d.state.text)
+                delta = {"tool_calls": pieces} if pieces else {}
             elif d.index not in call_ids:
                 call = plan.calls(d.text)[0]
                 call_ids[d.index] = call["id"]
                 delta = {"tool_calls": [{"index": 0, **call}]}
             else:
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}
-            if delta.get("tool_calls") != [] or logprobs:
+            if delta or logprobs:  # a list's new text may not finish a name or add arguments
                 chunks.append(_chat_choice(d.index, delta, logprobs=logprobs))
         if d.finish_reason is not None:
             streamer = streamers.get(d.index)

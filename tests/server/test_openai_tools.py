@@ -245,6 +245,9 @@ def test_tools_and_calls_reach_the_chat_template(server):
       "tool_choice": "required"}, "tools"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
      "messages.0.tool_calls.0.function"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{
+        "id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.0.tool_calls"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(server, body, field):
     resp = httpx.post(server.url + "/v1/chat/completions",
@@ -252,3 +255,13 @@ def test_bad_tools_are_a_400_naming_the_field(server, body, field):
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == field, err
+
+
+def test_streamed_calls_carry_every_tokens_logprob(client):
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER],
+              "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60,
+              "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    streamed = [lp.token for chunk in client.chat.completions.create(stream=True, **kwargs)
+                for ch in chunk.choices for lp in (ch.logprobs.content if ch.logprobs else [])]
+    assert streamed == [lp.token for lp in whole.logprobs.content] and streamed
