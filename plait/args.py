@@ -110,6 +110,13 @@ class ServerArgs:
     max_request_bytes: int = _opt(
         16 << 20, "largest HTTP request body accepted; larger ones get 413"
     )
+    tool_call_parser: str = _opt(
+        "none", "how /v1/chat/completions reads the calls of a model answering tool_choice "
+        "'auto' (OpenAI's default with tools): 'hermes', the <tool_call>{\"name\": ..., "
+        "\"arguments\": ...}</tool_call> blocks Qwen 2.5 and Hermes models write (vLLM's parser "
+        "of that name); 'none': 'auto' is a 400 ('required' and a named function need no "
+        "parser)", ("none", "hermes"),
+    )
     max_prompt_chars: int | None = _opt(
         None,
         "longest text prompt tokenized; longer ones get 400 untokenized "

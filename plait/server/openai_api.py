@@ -576,7 +576,7 @@ async def chat_completions(request: Request) -> Response:
     check_model(request, req.model)
     check_openai_extras(req)
     tool_plan = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls,
-                                _other_constraint(req))
+                                _other_constraint(req), request.app.state.args.tool_call_parser)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise RequestError("top_logprobs", "requires logprobs to be true")
@@ -592,7 +592,7 @@ async def chat_completions(request: Request) -> Response:
     if max_tokens is None:  # as much as the context leaves
         max_tokens = max(0, tm.context_length - len(ids))
     fmt = req.response_format
-    if tool_plan is not None:
+    if tool_plan is not None and tool_plan.schema is not None:
         constraint, constraint_field = {"json_schema": tool_plan.schema}, "tools"
     else:
         constraint = response_format_constraint(fmt)
@@ -617,11 +617,11 @@ async def chat_completions(request: Request) -> Response:
     choices = [
         {
             "index": i,
-            "message": _chat_message(s, tool_plan),
+            "message": (message := _chat_message(s, tool_plan)),
             "logprobs": chat_logprobs(s, 0, len(s.output_token_logprobs), texts)
             if req.logprobs
             else None,
-            "finish_reason": _chat_finish_reason(s, tool_plan),
+            "finish_reason": _chat_finish_reason(s, tool_plan, "tool_calls" in message),
         }
         for i, s in enumerate(states)
     ]
@@ -637,15 +637,15 @@ def _other_constraint(req: ChatCompletionRequest) -> str | None:
 
 
 def _chat_message(state: ReqState, plan: ToolPlan | None) -> dict[str, Any]:
-    calls = plan.calls(state.text) if plan is not None else None
+    content, calls = plan.answer(state.text) if plan is not None else (state.text, None)
     if calls is None:
-        return {"role": "assistant", "content": state.text}
-    return {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
-def _chat_finish_reason(state: ReqState, plan: ToolPlan | None) -> str | None:
+def _chat_finish_reason(state: ReqState, plan: ToolPlan | None, has_calls: bool) -> str | None:
     reason = finish_reason(state)
-    return plan.finish_reason if plan is not None and reason == "stop" else reason
+    return reason if plan is None else plan.finish_reason(reason, has_calls)
 
 
 # ---------------------------------------------------------------------- streaming
@@ -735,13 +735,24 @@ def _completion_chunks(req: CompletionRequest, texts: TokenTexts) -> Callable[[D
 def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts,
                  plan: ToolPlan | None) -> Callable[[Delta], list[dict]]:
     """Content deltas; with a tool plan, tool_calls deltas: each call's id, type and name
-    first, then its arguments as they grow (a list of calls: tool_calls.CallStreamer)."""
-    streamers: dict[int, tool_calls.CallStreamer] = {}
+    first, then its arguments as they grow (a list of calls: tool_calls.CallStreamer); a
+    parser's answer: tool_calls.HermesStreamer."""
+    streamers: dict[int, Any] = {}
     call_ids: dict[int, str] = {}
 
     def render(d: Delta) -> list[dict]:
         chunks = []
-        if d.text or d.tokens[1] > d.tokens[0]:
+        finished = d.finish_reason is not None
+        has_calls = True
+        if plan is not None and plan.parser is not None:
+            streamer = streamers.setdefault(d.index, tool_calls.HermesStreamer(plan))
+            pieces = streamer.deltas(d.state.text, finished)
+            logprobs = (chat_logprobs(d.state, *d.tokens, texts)
+                        if req.logprobs and d.tokens[1] > d.tokens[0] else None)
+            for j, delta in enumerate(pieces or ([{}] if logprobs else [])):
+                chunks.append(_chat_choice(d.index, delta, logprobs=logprobs if j == 0 else None))
+            has_calls = streamer.has_calls
+        elif d.text or d.tokens[1] > d.tokens[0]:
             logprobs = chat_logprobs(d.state, *d.tokens, texts) if req.logprobs else None
             if plan is None:
                 delta: dict[str, Any] = {"content": d.text}
@@ -757,12 +768,13 @@ def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts,
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}
             if delta or logprobs:  # a list's new text may not finish a name or add arguments
                 chunks.append(_chat_choice(d.index, delta, logprobs=logprobs))
-        if d.finish_reason is not None:
-            streamer = streamers.get(d.index)
-            if plan is not None and plan.named is None and (streamer is None or not streamer.ids):
-                # a list cut before its first call's name: the answer is its text
-                chunks.append(_chat_choice(d.index, {"content": d.state.text}))
-            chunks.append(_chat_choice(d.index, {}, _chat_finish_reason(d.state, plan)))
+        if finished:
+            if plan is not None and plan.parser is None and plan.named is None:
+                streamer = streamers.get(d.index)
+                has_calls = streamer is not None and bool(streamer.ids)
+                if not has_calls:  # a list cut before its first call's name: its text
+                    chunks.append(_chat_choice(d.index, {"content": d.state.text}))
+            chunks.append(_chat_choice(d.index, {}, _chat_finish_reason(d.state, plan, has_calls)))
         return chunks
 
     return render

@@ -6,8 +6,9 @@ without a model-specific parser: a named function's answer is its `parameters` s
 call's arguments), "required"'s a JSON array of one or more {"name", "parameters"} objects
 (at most one with `parallel_tool_calls: false`). The answer comes back as
 `message.tool_calls`. "none" answers in text. "auto", OpenAI's default when tools are given,
-lets the model choose between text and a call in its own tool-call format, which plait does
-not parse: it is refused by name rather than answered in text that ignores the tools.
+lets the model choose between text and a call in its own tool-call format: served with
+`--tool-call-parser hermes` (the <tool_call> blocks of Qwen 2.5 and Hermes models), else
+refused by name rather than answered in text that ignores the tools.
 
 The tools are passed to the chat template (`tools`), as transformers and vLLM pass them; a
 template that does not mention them (SmolLM2's) leaves them out of the prompt, and the grammar
@@ -74,17 +75,33 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 @dataclasses.dataclass(frozen=True)
 class ToolPlan:
-    """How a request with tools is answered: `named` (one function's arguments) or a list of
-    calls (`required`); `schema` is the output's JSON schema."""
+    """How a request with tools is answered: `named` (one function's arguments), a list of
+    calls (`required`), both with `schema` the output's JSON schema; or, with `parser`, the
+    model's own answer read for calls ("auto")."""
 
     named: str | None
-    schema: dict[str, Any]
+    schema: dict[str, Any] | None
+    parser: str | None = None
+    one_call: bool = False  # parallel_tool_calls false, for a parser's calls
 
-    @property
-    def finish_reason(self) -> str:
-        # OpenAI ends a call it forced by name with "stop", a call the model chose with
-        # "tool_calls"
-        return "stop" if self.named is not None else "tool_calls"
+    def finish_reason(self, reason: str | None, has_calls: bool) -> str | None:
+        """OpenAI ends a call it forced by name with "stop", calls the model chose with
+        "tool_calls"."""
+        if reason != "stop" or not has_calls or self.named is not None:
+            return reason
+        return "tool_calls"
+
+    def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """A whole answer's (content, tool_calls)."""
+        if self.parser is not None:
+            calls = hermes_calls(text)
+            if calls is None:
+                return text, None
+            content = text[:text.index(HERMES_OPEN)].rstrip()
+            calls = calls[:1] if self.one_call else calls
+            return (content if content.strip() else None), [_call(*c) for c in calls]
+        calls = self.calls(text)
+        return (None, calls) if calls else (text, None)
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The answer's tool calls in OpenAI's form: a named function's call is its text; a
@@ -176,6 +193,66 @@ def written_calls(text: str) -> list[tuple[str, str]]:
     return out
 
 
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+
+
+def hermes_calls(text: str) -> list[tuple[str, str]] | None:
+    """(name, arguments text) of each `<tool_call>{"name": .., "arguments": ..}</tool_call>`
+    block (vLLM's hermes parser's format); None if there is none, or if one is not a call or
+    is left open (an answer cut short, or not a call after all: its text is the content)."""
+    if HERMES_OPEN not in text:
+        return None
+    blocks = _HERMES_BLOCK.findall(text)
+    if text.count(HERMES_OPEN) != len(blocks):
+        return None
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append((call["name"], arguments if isinstance(arguments, str)
+                      else json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+class HermesStreamer:
+    """An "auto" answer read by the hermes parser, as stream deltas that add up to the whole
+    answer's: content as it comes, up to a <tool_call> (what may be the start of one, and
+    trailing space, are held back); the calls, or the held text as content if it holds none,
+    once the answer has finished."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.sent = 0
+        self.has_calls = False
+
+    def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if finished:
+            content, calls = self.plan.answer(text)
+            if calls is None:
+                return [{"content": text[self.sent:]}] if len(text) > self.sent else []
+            self.has_calls = True
+            if content is not None and len(content) > self.sent:
+                out.append({"content": content[self.sent:]})
+            return [*out, {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}]
+        tag = text.find(HERMES_OPEN)
+        end = len(text) if tag < 0 else tag
+        if tag < 0:  # hold back what may start the tag
+            end -= next((k for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1)
+                         if text.endswith(HERMES_OPEN[:k])), 0)
+        end = len(text[:end].rstrip())
+        if end > self.sent:
+            out.append({"content": text[self.sent:end]})
+            self.sent = end
+        return out
+
+
 class CallStreamer:
     """A list of calls as OpenAI stream deltas, piece by piece: a call's id, type and name
     once its name is whole, then its arguments as they grow."""
@@ -198,9 +275,10 @@ class CallStreamer:
         return out
 
 
-def plan(tools: list[Tool] | None, choice: ToolChoice | None,
-         parallel_tool_calls: bool | None, other_constraint: str | None) -> ToolPlan | None:
-    """The request's tools and tool_choice checked; None when the answer is text."""
+def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_calls: bool | None,
+         other_constraint: str | None, parser: str = "none") -> ToolPlan | None:
+    """The request's tools and tool_choice checked; None when the answer is text. `parser`:
+    the server's --tool-call-parser, which "auto" needs."""
     if not tools:
         if tools is not None:
             raise RequestError("tools", "must not be empty (leave it out for no tools)")
@@ -219,9 +297,12 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None,
             raise RequestError(f"tools.{i}.function.name", f"{name!r} is also tools.{names[name]}")
         names[name] = i
     if choice is None or choice == "auto":
+        if parser == "hermes":  # the model's own answer, read for calls
+            return ToolPlan(None, None, parser, one_call=parallel_tool_calls is False)
         raise RequestError("tool_choice", "'auto' (the default with tools) lets the model answer "
-                           "in its own tool-call format, which plait does not parse; use "
-                           "'required', a named function ({'type': 'function', 'function': "
+                           "in its own tool-call format, which this server does not parse "
+                           "(start it with --tool-call-parser hermes for <tool_call> blocks); "
+                           "use 'required', a named function ({'type': 'function', 'function': "
                            "{'name': ...}}) or 'none'")
     if choice == "none":
         return None

@@ -265,3 +265,98 @@ def test_streamed_calls_carry_every_tokens_logprob(client):
     streamed = [lp.token for chunk in client.chat.completions.create(stream=True, **kwargs)
                 for ch in chunk.choices for lp in (ch.logprobs.content if ch.logprobs else [])]
     assert streamed == [lp.token for lp in whole.logprobs.content] and streamed
+
+
+# ---------------------------------------------------------------- "auto", --tool-call-parser hermes
+HERMES_ANSWERS = [
+    ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+     '"unit": "celsius"}}\n</tool_call>'),
+    ('<tool_call>{"name": "ping", "arguments": {}}</tool_call>\n<tool_call>{"name": '
+     '"get-time", "arguments": {"zone": "UTC", "h24": true}}</tool_call>'),
+    "Just text, with a < sign and <tool_",  # ends inside what could have been the tag
+    'A cut call <tool_call>{"name": "ping", "argu',
+    "<tool_call>not json</tool_call>",
+    '  \n<tool_call>{"name": "ping", "parameters": {"x": 1}}</tool_call>',
+]
+
+
+@pytest.mark.parametrize("text", HERMES_ANSWERS)
+def test_hermes_answers_stream_piece_by_piece_to_the_whole_answer(text):
+    from plait.server.tool_calls import HermesStreamer, ToolPlan
+
+    plan = ToolPlan(None, None, "hermes")
+    content, calls = plan.answer(text)
+    streamer, streamed, got = HermesStreamer(plan), "", []
+    for k in range(1, len(text) + 1):
+        for d in streamer.deltas(text[:k], finished=k == len(text)):
+            streamed += d.get("content", "")
+            got += d.get("tool_calls", [])
+    assert streamed == (content or "")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls or []]
+    assert streamer.has_calls == (calls is not None)
+    if calls is None:
+        assert content == text  # not a call after all: the whole text is the content
+
+
+def test_hermes_calls_are_read_with_their_arguments():
+    from plait.server.tool_calls import ToolPlan
+
+    content, calls = ToolPlan(None, None, "hermes").answer(HERMES_ANSWERS[0])
+    assert content == "Sure."
+    (call,) = calls
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    content, calls = ToolPlan(None, None, "hermes", one_call=True).answer(HERMES_ANSWERS[1])
+    assert content is None and [c["function"]["name"] for c in calls] == ["ping"]
+
+
+@pytest.fixture(scope="module")
+def hermes_client(tiny_llama):
+    from tests.server.server_utils import start_server
+
+    server = start_server(tiny_llama, tool_call_parser="hermes")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+    server.shutdown()
+
+
+def _stream(client, **kwargs):
+    content, calls, reasons = "", [], []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            calls += [(d.function.name, d.function.arguments) for d in ch.delta.tool_calls or []]
+            reasons.append(ch.finish_reason)
+    return content, calls, [r for r in reasons if r]
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_auto_reads_the_models_hermes_calls(hermes_client, parallel):
+    """The test model is random: a regex makes it write Hermes blocks, as a model trained on
+    them would (tool_choice left out: OpenAI's default with tools, "auto")."""
+    import re
+
+    answer = HERMES_ANSWERS[0] + "\n" + HERMES_ANSWERS[1]
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME, NO_PARAMETERS],
+              "max_tokens": 200, "temperature": 0, "extra_body": {"regex": re.escape(answer)}}
+    if parallel is not None:
+        kwargs["parallel_tool_calls"] = parallel
+    (choice,) = hermes_client.chat.completions.create(**kwargs).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    names = ["get_weather", "ping", "get-time"][:1 if parallel is False else 3]
+    assert [c.function.name for c in choice.message.tool_calls] == names
+    for call in choice.message.tool_calls:
+        check_call(call)
+    content, calls, reasons = _stream(hermes_client, **kwargs)
+    assert content == "Sure." and reasons == ["tool_calls"]
+    assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_auto_without_calls_answers_in_text(hermes_client):
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER],
+              "tool_choice": "auto", "max_tokens": 16, "temperature": 0}
+    (choice,) = hermes_client.chat.completions.create(**kwargs).choices
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert _stream(hermes_client, **kwargs) == (choice.message.content, [], [choice.finish_reason])
