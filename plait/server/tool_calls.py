@@ -127,63 +127,77 @@ class ScannedCall:
     end: int | None = None
 
 
-def scan_calls(text: str) -> list[ScannedCall]:
+class CallScanner:
     """The calls in (a prefix of) a list of calls' JSON text, `[{"name": .., "parameters":
-    ..}, ..]`, whatever the keys' order and the whitespace: the parameters' text as the model
-    wrote it, so that streamed pieces add up to the whole answer's arguments."""
-    calls: list[ScannedCall] = []
-    depth, in_string, escaped = 0, False, False
-    string_start, key, expect_key, value_start = 0, None, True, None
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 2:  # a key or a value of a call's object
-                    if expect_key:
-                        key = json.loads(text[string_start:i + 1])
-                    elif key == "name":
-                        calls[-1].name = json.loads(text[string_start:i + 1])
-                    elif key == "parameters":
-                        calls[-1].end = i + 1
-            continue
-        if ch.isspace():
-            continue
-        if depth == 2 and not expect_key and key == "parameters" and calls[-1].start is None:
-            calls[-1].start = i
-        if ch == '"':
-            in_string, string_start = True, i
-        elif ch in "{[":
-            depth += 1
-            if depth == 2:
-                calls.append(ScannedCall())
-                expect_key = True
-        elif ch in "}]":
-            if depth == 3 and key == "parameters":
-                calls[-1].end = i + 1
-            elif depth == 2 and key == "parameters" and calls[-1].end is None:
-                calls[-1].end = value_start  # a number or literal ends here
-            depth -= 1
-        elif depth == 2 and ch == ":":
-            expect_key = False
-        elif depth == 2 and ch == ",":
-            if key == "parameters" and calls[-1].end is None:
-                calls[-1].end = value_start
-            expect_key, key = True, None
-        if depth == 2 and not expect_key and not ch.isspace() and ch not in ":,":
-            value_start = i + 1  # past the value's last character seen at this depth
-    return calls
+    ..}, ..]`, whatever the keys' order and the whitespace: each call's name and its
+    parameters' text as the model wrote it, so that streamed pieces add up to the whole
+    answer's arguments. Incremental: `feed` reads only what the text gained since the last
+    call (a stream's text grows a token at a time: rescanning it whole each time would cost
+    time quadratic in its length on the server's event loop)."""
+
+    def __init__(self) -> None:
+        self.calls: list[ScannedCall] = []
+        self._pos, self._depth, self._in_string, self._escaped = 0, 0, False, False
+        self._string_start, self._key, self._expect_key = 0, None, True
+        self._value_start: int | None = None
+
+    def feed(self, text: str) -> list[ScannedCall]:
+        calls = self.calls
+        for i in range(self._pos, len(text)):
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+                    if self._depth == 2:  # a key or a value of a call's object
+                        if self._expect_key:
+                            self._key = json.loads(text[self._string_start:i + 1])
+                        elif self._key == "name":
+                            calls[-1].name = json.loads(text[self._string_start:i + 1])
+                        elif self._key == "parameters":
+                            calls[-1].end = i + 1
+                continue
+            if ch.isspace():
+                continue
+            depth, key = self._depth, self._key
+            if depth == 2 and not self._expect_key and key == "parameters" \
+                    and calls[-1].start is None:
+                calls[-1].start = i
+            if ch == '"':
+                self._in_string, self._string_start = True, i
+            elif ch in "{[":
+                self._depth += 1
+                if self._depth == 2:
+                    calls.append(ScannedCall())
+                    self._expect_key = True
+            elif ch in "}]":
+                if depth == 3 and key == "parameters":
+                    calls[-1].end = i + 1
+                elif depth == 2 and key == "parameters" and calls[-1].end is None:
+                    calls[-1].end = self._value_start  # a number or literal ends here
+                self._depth -= 1
+            elif depth == 2 and ch == ":":
+                self._expect_key = False
+            elif depth == 2 and ch == ",":
+                if key == "parameters" and calls[-1].end is None:
+                    calls[-1].end = self._value_start
+                self._expect_key, self._key = True, None
+            if self._depth == 2 and not self._expect_key and ch not in ":,":
+                self._value_start = i + 1  # past the value's last character at this depth
+        self._pos = len(text)
+        return calls
 
 
-def written_calls(text: str) -> list[tuple[str, str]]:
+def written_calls(text: str, scanner: CallScanner | None = None) -> list[tuple[str, str]]:
     """(name, arguments text) of each call of a list of calls' text (so far) whose name is
     whole, up to the first whose name is not; an unfinished call's arguments up to their
-    last character (a trailing space may end a number)."""
+    last character (a trailing space may end a number). `scanner`: one that has read a
+    prefix of `text` (a stream's), else a new one."""
     out = []
-    for c in scan_calls(text):
+    for c in (scanner or CallScanner()).feed(text):
         if c.name is None:
             break
         if c.start is None:
@@ -260,10 +274,11 @@ class CallStreamer:
     def __init__(self) -> None:
         self.ids: list[str] = []
         self.sent: list[int] = []
+        self._scanner = CallScanner()
 
     def deltas(self, text: str) -> list[dict[str, Any]]:
         out = []
-        for j, (name, arguments) in enumerate(written_calls(text)):
+        for j, (name, arguments) in enumerate(written_calls(text, self._scanner)):
             if j == len(self.ids):
                 call = _call(name, "")
                 self.ids.append(call["id"])
