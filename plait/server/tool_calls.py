@@ -255,12 +255,14 @@ class HermesStreamer:
             if content is not None and len(content) > self.sent:
                 out.append({"content": content[self.sent:]})
             return [*out, {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}]
-        tag = text.find(HERMES_OPEN)
+        # no tag before what was sent: search from there (linear in the stream's length)
+        tag = text.find(HERMES_OPEN, max(0, self.sent - len(HERMES_OPEN)))
         end = len(text) if tag < 0 else tag
         if tag < 0:  # hold back what may start the tag
             end -= next((k for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1)
                          if text.endswith(HERMES_OPEN[:k])), 0)
-        end = len(text[:end].rstrip())
+        while end > self.sent and text[end - 1].isspace():
+            end -= 1
         if end > self.sent:
             out.append({"content": text[self.sent:end]})
             self.sent = end
