@@ -13,7 +13,8 @@ done; the caller waits for it and then loads the library. Compiled inside the ca
 outlived a caller that exited first (the main command answers in seconds, a build takes
 minutes on 2 cores): torch's compiler processes ran on, orphaned, after the flock was
 released, and the next plait process started the same compile beside them, into the same
-files (three sets at once after three short commands on a fresh machine).
+files (three sets at once after three short commands on a fresh machine). A builder killed
+mid-build takes its compiler with it (_tie_compiles_to_this_process).
 """
 
 from __future__ import annotations
@@ -176,9 +177,35 @@ def _builder_main(argv: list[str]) -> int:
     """The builder process: compile (and import) one library under the flock."""
     import json
 
+    _tie_compiles_to_this_process()
     name, source, extra_cflags, extra_ldflags = json.loads(argv[0])
     load_extension(name, Path(source), extra_cflags, extra_ldflags)
     return 0
+
+
+def _tie_compiles_to_this_process() -> None:
+    """Linux: the commands torch starts (ninja) get SIGTERM if this builder dies first, and
+    ninja stops the compilers it runs. A builder killed mid-build (SIGKILL) would otherwise
+    leave its compilers running after the flock is released, beside the next builder's."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    import subprocess
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    builder, run = os.getpid(), subprocess.run
+
+    def die_with_builder() -> None:  # in the child, between fork and exec
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != builder:  # the builder died before prctl
+            os._exit(1)
+
+    def run_tied(*args, **kwargs):
+        kwargs.setdefault("preexec_fn", die_with_builder)
+        return run(*args, **kwargs)
+
+    subprocess.run = run_tied
 
 
 if __name__ == "__main__":

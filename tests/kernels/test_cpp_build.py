@@ -32,12 +32,14 @@ _LOAD = (
 
 @pytest.fixture
 def slow_compiler(tmp_path):
-    """TORCH_EXTENSIONS_DIR in tmp_path and a compiler that logs each compile and takes 4 s."""
+    """TORCH_EXTENSIONS_DIR in tmp_path and a compiler that logs each compile's start and
+    end ("start PID", "end PID") and takes 4 s more."""
     log = tmp_path / "compiles.log"
     cxx = tmp_path / "cxx"
     cxx.write_text(
         "#!/bin/sh\n"
-        f'case " $* " in *" -c "*) echo "$$" >> {log}; sleep 4;; esac\n'
+        f'case " $* " in *" -c "*) echo "start $$" >> {log}; sleep 4; c++ "$@"; rc=$?; '
+        f'echo "end $$" >> {log}; exit $rc;; esac\n'
         'exec c++ "$@"\n'
     )
     cxx.chmod(0o755)
@@ -65,7 +67,7 @@ def test_a_build_outlives_its_caller_and_is_not_started_twice(slow_compiler):
     assert second.returncode == 0, second.stderr
     assert "loaded plait_tiny_" in second.stdout
     # the second process waited for the first one's compile instead of starting its own
-    assert len(log.read_text().split()) == 1
+    assert log.read_text().count("start") == 1
 
 
 def test_a_failed_build_raises_with_the_compilers_message(slow_compiler):
@@ -76,3 +78,39 @@ def test_a_failed_build_raises_with_the_compilers_message(slow_compiler):
     assert failed.returncode != 0
     assert "building plait_tiny failed" in failed.stderr
     assert "expected unqualified-id" in failed.stderr  # the compiler's words, from build.log
+
+
+def _builder_pids(source: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if "-m plait.kernels.cpp_build" in cmdline and str(source) in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_builder_takes_its_compile_with_it(slow_compiler):
+    """The builder killed mid-compile: its compiler stops too, so the next build runs alone
+    (its compile starts after the first one's compiler has gone)."""
+    import signal
+
+    env, source, log = slow_compiler
+    first = subprocess.Popen([sys.executable, "-c", _LOAD, str(source)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not log.exists():
+        assert time.monotonic() < deadline, "no compile started"
+        time.sleep(0.05)
+    (builder,) = _builder_pids(source)
+    os.kill(builder, signal.SIGKILL)
+    first.wait(timeout=60)
+    time.sleep(6)  # past the wrapper's 4 s and the compile, had it gone on
+    assert "end" not in log.read_text(), "the compile outlived its builder"
+    second = subprocess.run([sys.executable, "-c", _LOAD, str(source)], env=env, check=False,
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert log.read_text().split()[::2] == ["start", "start", "end"]  # compiled again, alone
