@@ -117,7 +117,7 @@ def _run_builder(name: str, source: Path, extra_cflags: list[str], extra_ldflags
     """Compile in a builder process (this module's main) and wait for it. It runs in a session
     of its own, so it finishes the build (and holds the flock) even if this process exits or
     its process group is killed first; a later caller then waits on the flock instead of
-    compiling again. Its output goes to build.log beside the library."""
+    compiling again. Its output is appended to build.log beside the library."""
     import json
     import subprocess
 
@@ -126,7 +126,7 @@ def _run_builder(name: str, source: Path, extra_cflags: list[str], extra_ldflags
     env = dict(os.environ, **{_IN_BUILDER: "1"})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     log = build_dir / "build.log"
-    with open(log, "wb") as out:
+    with open(log, "ab") as out:  # appended: a second caller may start while one builds
         proc = subprocess.Popen(
             [sys.executable, "-m", "plait.kernels.cpp_build", spec], stdin=subprocess.DEVNULL,
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
