@@ -120,11 +120,13 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 @dataclasses.dataclass
 class ScannedCall:
     """One call of a list of calls' text so far: its name once whole, where its parameters'
-    text starts, and where it ends once whole (else None: it runs to the text's end)."""
+    text starts, and where it ends once whole (else None: it runs to the text's end); whether
+    the call's object has closed."""
 
     name: str | None = None
     start: int | None = None
     end: int | None = None
+    closed: bool = False
 
 
 class CallScanner:
@@ -133,17 +135,24 @@ class CallScanner:
     parameters' text as the model wrote it, so that streamed pieces add up to the whole
     answer's arguments. Incremental: `feed` reads only what the text gained since the last
     call (a stream's text grows a token at a time: rescanning it whole each time would cost
-    time quadratic in its length on the server's event loop)."""
+    time quadratic in its length on the server's event loop). `objects=True`: the calls are
+    top-level objects instead (a Hermes block's `{"name": .., "arguments": ..}`), and
+    `arguments` the keys that hold a call's arguments."""
 
-    def __init__(self) -> None:
+    def __init__(self, objects: bool = False, arguments: tuple[str, ...] = ("parameters",),
+                 start: int = 0) -> None:
+        self._call, self._arguments = (1 if objects else 2), arguments
         self.calls: list[ScannedCall] = []
-        self._pos, self._depth, self._in_string, self._escaped = 0, 0, False, False
+        self._current = ScannedCall()  # the object being read at the calls' depth
+        self.pos, self._depth, self._in_string, self._escaped = start, 0, False, False
         self._string_start, self._key, self._expect_key = 0, None, True
         self._value_start: int | None = None
 
-    def feed(self, text: str) -> list[ScannedCall]:
-        calls = self.calls
-        for i in range(self._pos, len(text)):
+    def feed(self, text: str, end: int | None = None) -> list[ScannedCall]:
+        """Read text[pos:end] (end: the text's end)."""
+        at, arguments = self._call, self._arguments
+        end = len(text) if end is None else end
+        for i in range(self.pos, end):
             ch = text[i]
             if self._in_string:
                 if self._escaped:
@@ -152,43 +161,55 @@ class CallScanner:
                     self._escaped = True
                 elif ch == '"':
                     self._in_string = False
-                    if self._depth == 2:  # a key or a value of a call's object
+                    if self._depth == at:  # a key or a value of a call's object
                         if self._expect_key:
-                            self._key = json.loads(text[self._string_start:i + 1])
+                            self._key = _json_string(text[self._string_start:i + 1])
                         elif self._key == "name":
-                            calls[-1].name = json.loads(text[self._string_start:i + 1])
-                        elif self._key == "parameters":
-                            calls[-1].end = i + 1
+                            self._current.name = _json_string(text[self._string_start:i + 1])
+                        elif self._key in arguments and self._current.end is None:
+                            self._current.end = i + 1
                 continue
             if ch.isspace():
                 continue
             depth, key = self._depth, self._key
-            if depth == 2 and not self._expect_key and key == "parameters" \
-                    and calls[-1].start is None:
-                calls[-1].start = i
+            call = self._current
+            if depth == at and not self._expect_key and key in arguments and call.start is None:
+                call.start = i
             if ch == '"':
                 self._in_string, self._string_start = True, i
             elif ch in "{[":
                 self._depth += 1
-                if self._depth == 2:
-                    calls.append(ScannedCall())
-                    self._expect_key = True
+                if self._depth == at:  # an object there is a call (a list is not)
+                    self._current = ScannedCall()
+                    if ch == "{":
+                        self.calls.append(self._current)
+                    self._expect_key, self._key = True, None
             elif ch in "}]":
-                if depth == 3 and key == "parameters":
-                    calls[-1].end = i + 1
-                elif depth == 2 and key == "parameters" and calls[-1].end is None:
-                    calls[-1].end = self._value_start  # a number or literal ends here
+                if depth == at + 1 and key in arguments and call.end is None:
+                    call.end = i + 1
+                elif depth == at:
+                    if key in arguments and call.end is None:
+                        call.end = self._value_start  # a number or literal ends here
+                    call.closed = True
                 self._depth -= 1
-            elif depth == 2 and ch == ":":
+            elif depth == at and ch == ":":
                 self._expect_key = False
-            elif depth == 2 and ch == ",":
-                if key == "parameters" and calls[-1].end is None:
-                    calls[-1].end = self._value_start
+            elif depth == at and ch == ",":
+                if key in arguments and call.end is None:
+                    call.end = self._value_start
                 self._expect_key, self._key = True, None
-            if self._depth == 2 and not self._expect_key and ch not in ":,":
+            if self._depth == at and not self._expect_key and ch not in ":,":
                 self._value_start = i + 1  # past the value's last character at this depth
-        self._pos = len(text)
-        return calls
+        self.pos = max(self.pos, end)
+        return self.calls
+
+
+def _json_string(literal: str) -> str | None:
+    """A JSON string literal's value; None if it is not one (a model's stray backslash)."""
+    try:
+        return json.loads(literal)
+    except ValueError:
+        return None
 
 
 def written_calls(text: str, scanner: CallScanner | None = None) -> list[tuple[str, str]]:
@@ -208,64 +229,119 @@ def written_calls(text: str, scanner: CallScanner | None = None) -> list[tuple[s
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+HERMES_ARGUMENTS = ("arguments", "parameters")
+
+
+def _held_back(text: str, end: int, tag: str) -> int:
+    """`end`, less the longest suffix of text[:end] that could start `tag`."""
+    for k in range(min(len(tag) - 1, end), 0, -1):
+        if text.startswith(tag[:k], end - k):
+            return end - k
+    return end
+
+
+class HermesReader:
+    """The calls of an answer in Hermes blocks (vLLM's hermes parser's format, Qwen 2.5's and
+    Hermes models'): `<tool_call>{"name": .., "arguments": ..}</tool_call>`, any number. A
+    call is each block's object whose name is whole (a string); its arguments are the text the
+    model wrote for them (an object's, or a string's value decoded once whole; "{}" for a call
+    that closed without any), up to what is written: an answer cut short ends with the calls
+    written so far, the last one's arguments cut (as OpenAI returns a cut call). A block with
+    no such object is no call. Read incrementally (`read` on a growing text, linear in its
+    length); what may still be a closing tag is not read until it is whole or turns out not
+    to be one (`final`: the text is whole, read it all), so a stream's calls grow only by
+    appending and end as the whole answer's."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None  # where the first <tool_call> starts
+        self._blocks: list[tuple[int, CallScanner]] = []  # (where its text starts, scanner)
+        self._closed = 0  # blocks whose closing tag is found
+        self._search = 0  # no opening tag starts before this (past the closed blocks)
+
+    def read(self, text: str, final: bool) -> list[tuple[str, str]]:
+        """(name, arguments) of the calls in `text` so far."""
+        while True:
+            if len(self._blocks) == self._closed:  # look for the next block's opening tag
+                tag = text.find(HERMES_OPEN, self._search)
+                if tag < 0:
+                    self._search = max(self._search, len(text) - len(HERMES_OPEN) + 1)
+                    break
+                if self.first is None:
+                    self.first = tag
+                begin = tag + len(HERMES_OPEN)
+                self._blocks.append((begin, CallScanner(True, HERMES_ARGUMENTS, start=begin)))
+            begin, scanner = self._blocks[-1]
+            close = text.find(HERMES_CLOSE, scanner.pos)  # the scanner stops short of one
+            if close < 0:
+                scanner.feed(text, None if final else _held_back(text, len(text), HERMES_CLOSE))
+                break
+            scanner.feed(text, close)
+            self._closed += 1
+            self._search = close + len(HERMES_CLOSE)
+        calls = []
+        for _, scanner in self._blocks:
+            calls += [(c.name, _hermes_arguments(text, c, scanner.pos))
+                      for c in scanner.calls if c.name is not None]
+        return calls
+
+
+def _hermes_arguments(text: str, c: ScannedCall, end: int) -> str:
+    if c.start is None:
+        return "{}" if c.closed else ""
+    if text[c.start] == '"':  # arguments written as a JSON string: its value, once whole
+        if c.end is None:
+            return ""
+        try:
+            value = json.loads(text[c.start:c.end])
+        except ValueError:
+            return text[c.start:c.end]
+        return value if isinstance(value, str) else text[c.start:c.end]
+    return text[c.start:end].rstrip() if c.end is None else text[c.start:c.end]
 
 
 def hermes_calls(text: str) -> list[tuple[str, str]] | None:
-    """(name, arguments text) of each `<tool_call>{"name": .., "arguments": ..}</tool_call>`
-    block (vLLM's hermes parser's format); None if there is none, or if one is not a call or
-    is left open (an answer cut short, or not a call after all: its text is the content)."""
-    if HERMES_OPEN not in text:
-        return None
-    blocks = _HERMES_BLOCK.findall(text)
-    if text.count(HERMES_OPEN) != len(blocks):
-        return None
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block)
-        except ValueError:
-            return None
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append((call["name"], arguments if isinstance(arguments, str)
-                      else json.dumps(arguments, ensure_ascii=False)))
-    return calls
+    """(name, arguments text) of the calls in a whole answer's Hermes blocks (HermesReader);
+    None if it has none."""
+    return HermesReader().read(text, final=True) or None
 
 
 class HermesStreamer:
     """An "auto" answer read by the hermes parser, as stream deltas that add up to the whole
-    answer's: content as it comes, up to a <tool_call> (what may be the start of one, and
-    trailing space, are held back); the calls, or the held text as content if it holds none,
-    once the answer has finished."""
+    answer's: content as it comes, up to the first <tool_call> (what may be the start of one,
+    and trailing space, are held back); then each call as it is written (its id, type and name
+    once the name is whole, then its arguments as they grow); at the end, if the blocks held
+    no call, the held text as content."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.sent = 0
         self.has_calls = False
+        self._reader = HermesReader()
+        self._calls = CallStreamer()
 
     def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if finished:
-            content, calls = self.plan.answer(text)
-            if calls is None:
-                return [{"content": text[self.sent:]}] if len(text) > self.sent else []
-            self.has_calls = True
-            if content is not None and len(content) > self.sent:
-                out.append({"content": content[self.sent:]})
-            return [*out, {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}]
-        # no tag before what was sent: search from there (linear in the stream's length)
-        tag = text.find(HERMES_OPEN, max(0, self.sent - len(HERMES_OPEN)))
-        end = len(text) if tag < 0 else tag
-        if tag < 0:  # hold back what may start the tag
-            end -= next((k for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1)
-                         if text.endswith(HERMES_OPEN[:k])), 0)
-        while end > self.sent and text[end - 1].isspace():
-            end -= 1
+        calls = self._reader.read(text, finished)
+        if self.plan.one_call:
+            calls = calls[:1]
+        first = self._reader.first
+        if first is None:  # content: hold back what may start the tag, unless finished
+            end = len(text) if finished else _held_back(text, len(text), HERMES_OPEN)
+        else:
+            end = first
+        if not finished or first is not None:
+            while end > self.sent and text[end - 1].isspace():
+                end -= 1
+        if finished and not calls:
+            end = len(text)  # no call after all: the rest is content
         if end > self.sent:
             out.append({"content": text[self.sent:end]})
             self.sent = end
+        if calls:
+            self.has_calls = True
+            pieces = self._calls.pieces(calls)
+            if pieces:
+                out.append({"tool_calls": pieces})
         return out
 
 
@@ -279,8 +355,12 @@ class CallStreamer:
         self._scanner = CallScanner()
 
     def deltas(self, text: str) -> list[dict[str, Any]]:
+        return self.pieces(written_calls(text, self._scanner))
+
+    def pieces(self, calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """The deltas of calls (name, arguments so far) that grew from the last ones'."""
         out = []
-        for j, (name, arguments) in enumerate(written_calls(text, self._scanner)):
+        for j, (name, arguments) in enumerate(calls):
             if j == len(self.ids):
                 call = _call(name, "")
                 self.ids.append(call["id"])

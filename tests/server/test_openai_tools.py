@@ -274,17 +274,40 @@ HERMES_ANSWERS = [
     ('<tool_call>{"name": "ping", "arguments": {}}</tool_call>\n<tool_call>{"name": '
      '"get-time", "arguments": {"zone": "UTC", "h24": true}}</tool_call>'),
     "Just text, with a < sign and <tool_",  # ends inside what could have been the tag
-    'A cut call <tool_call>{"name": "ping", "argu',
+    'A cut call <tool_call>{"name": "ping", "argu',  # cut: the call, no arguments yet
+    'Cut later <tool_call>{"name": "get_weather", "arguments": {"city": "Par',
     "<tool_call>not json</tool_call>",
+    '<tool_call>["name": "x"]</tool_call> and {"name": "y"} outside a block',
     '  \n<tool_call>{"name": "ping", "parameters": {"x": 1}}</tool_call>',
+    # the keys in another order, arguments as a JSON string, a number, none; a closing tag
+    # ends its block even inside a string (as vLLM's parser reads it): that block is no call
+    ('<tool_call>{"arguments": {"q": "a }] b"}, "name": "s"}</tool_call>'
+     '<tool_call>{"arguments": {"q": "a </tool_call>", "name": "r"}</tool_call>'
+     '<tool_call>{"name": "t", "arguments": "{\\"k\\": 1}"}</tool_call><tool_call>'
+     '{"name": "u", "arguments": 5 }</tool_call><tool_call> {"name": "v"} </tool_call>'),
+    '<tool_call>{"name": "bad\\q", "x": 1}</tool_call><tool_call>{"name": "w"}</tool_call>',
 ]
 
 
+def _merged(pieces: list[dict]) -> list[tuple[str, str]]:
+    """Streamed tool_calls pieces put together by index: (name, arguments)."""
+    got: dict[int, list[str]] = {}
+    for d in pieces:
+        if "id" in d:
+            assert d["index"] == len(got) and d["type"] == "function"
+            got[d["index"]] = [d["function"]["name"], ""]
+        got[d["index"]][1] += d["function"]["arguments"]
+    return [tuple(v) for v in got.values()]
+
+
 @pytest.mark.parametrize("text", HERMES_ANSWERS)
-def test_hermes_answers_stream_piece_by_piece_to_the_whole_answer(text):
+@pytest.mark.parametrize("one_call", [False, True])
+def test_hermes_answers_stream_piece_by_piece_to_the_whole_answer(text, one_call):
+    """HermesStreamer fed the text a character at a time: content, then each call's name and
+    arguments as written, add up to the whole answer's (ToolPlan.answer)."""
     from plait.server.tool_calls import HermesStreamer, ToolPlan
 
-    plan = ToolPlan(None, None, "hermes")
+    plan = ToolPlan(None, None, "hermes", one_call=one_call)
     content, calls = plan.answer(text)
     streamer, streamed, got = HermesStreamer(plan), "", []
     for k in range(1, len(text) + 1):
@@ -292,23 +315,76 @@ def test_hermes_answers_stream_piece_by_piece_to_the_whole_answer(text):
             streamed += d.get("content", "")
             got += d.get("tool_calls", [])
     assert streamed == (content or "")
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in calls or []]
+    assert _merged(got) == [(c["function"]["name"], c["function"]["arguments"])
+                            for c in calls or []]
     assert streamer.has_calls == (calls is not None)
     if calls is None:
         assert content == text  # not a call after all: the whole text is the content
 
 
+def test_hermes_streams_equal_whole_answers_on_random_texts():
+    """Random texts of tag, JSON and stray pieces, streamed in random steps: the streamed
+    content and calls are the whole answer's every time (and nothing raises)."""
+    import random
+
+    from plait.server.tool_calls import HermesStreamer, ToolPlan
+
+    pieces = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "{", "}", "[", "]", '"name"',
+              '"arguments"', '"parameters"', ":", ",", " ", "\n", '"x"', '"a\\"b"', "\\", "1",
+              '"', "text", "<", '{"name": "f", "arguments": {"a": [1, "}"]}}']
+    rng = random.Random(0)
+    for _ in range(1500):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 25)))
+        plan = ToolPlan(None, None, "hermes", one_call=rng.random() < 0.3)
+        content, calls = plan.answer(text)
+        streamer, streamed, got, k = HermesStreamer(plan), "", [], 0
+        while k < len(text):
+            k = min(len(text), k + rng.randrange(1, 4))
+            for d in streamer.deltas(text[:k], finished=k == len(text)):
+                streamed += d.get("content", "")
+                got += d.get("tool_calls", [])
+        assert streamed == (content or ""), text
+        assert _merged(got) == [(c["function"]["name"], c["function"]["arguments"])
+                                for c in calls or []], text
+
+
+def test_hermes_calls_stream_as_they_are_written():
+    """A call's name goes out once whole and its arguments as they grow, long before the
+    answer ends; what may be a closing tag is held back until it is one."""
+    from plait.server.tool_calls import HermesStreamer, ToolPlan
+
+    text = HERMES_ANSWERS[1]
+    streamer = HermesStreamer(ToolPlan(None, None, "hermes"))
+    cut = text.index('", "arguments"') + 1  # the first call's name just whole
+    (d,) = streamer.deltas(text[:cut], finished=False)
+    assert _merged(d["tool_calls"]) == [("ping", "")]
+    (d,) = streamer.deltas(text[:text.index("</tool_call>") + 3], finished=False)
+    assert d["tool_calls"] == [{"index": 0, "function": {"arguments": "{}"}}]
+    second = text.index('"UTC"') + 2  # the second call's arguments half written
+    d = streamer.deltas(text[:second], finished=False)
+    assert [p.get("function", {}).get("arguments") for p in d[0]["tool_calls"]] == [
+        "", '{"zone": "U']
+
+
 def test_hermes_calls_are_read_with_their_arguments():
     from plait.server.tool_calls import ToolPlan
 
-    content, calls = ToolPlan(None, None, "hermes").answer(HERMES_ANSWERS[0])
-    assert content == "Sure."
-    (call,) = calls
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
-    content, calls = ToolPlan(None, None, "hermes", one_call=True).answer(HERMES_ANSWERS[1])
-    assert content is None and [c["function"]["name"] for c in calls] == ["ping"]
+    def read(text, one_call=False):
+        content, calls = ToolPlan(None, None, "hermes", one_call=one_call).answer(text)
+        return content, [(c["function"]["name"], c["function"]["arguments"])
+                         for c in calls or []]
+
+    content, calls = read(HERMES_ANSWERS[0])
+    assert content == "Sure." and calls == [
+        ("get_weather", '{"city": "Paris", "unit": "celsius"}')]
+    assert read(HERMES_ANSWERS[1], one_call=True) == (None, [("ping", "{}")])
+    assert read(HERMES_ANSWERS[3]) == ("A cut call", [("ping", "")])
+    assert read(HERMES_ANSWERS[4]) == ("Cut later", [("get_weather", '{"city": "Par')])
+    for text in HERMES_ANSWERS[5:7]:  # no object with a name in a block: text
+        assert read(text) == (text, [])
+    assert read(HERMES_ANSWERS[8]) == (None, [
+        ("s", '{"q": "a }] b"}'), ("t", '{"k": 1}'), ("u", "5"), ("v", "{}")])
+    assert read(HERMES_ANSWERS[9]) == (None, [("w", "{}")])  # a name that is no JSON string
 
 
 @pytest.fixture(scope="module")
@@ -322,13 +398,14 @@ def hermes_client(tiny_llama):
 
 
 def _stream(client, **kwargs):
-    content, calls, reasons = "", [], []
+    """A streamed answer's content, its calls put together by index, and finish reasons."""
+    content, pieces, reasons = "", [], []
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for ch in chunk.choices:
             content += ch.delta.content or ""
-            calls += [(d.function.name, d.function.arguments) for d in ch.delta.tool_calls or []]
+            pieces += [d.model_dump(exclude_none=True) for d in ch.delta.tool_calls or []]
             reasons.append(ch.finish_reason)
-    return content, calls, [r for r in reasons if r]
+    return content, _merged(pieces), [r for r in reasons if r]
 
 
 @pytest.mark.parametrize("parallel", [None, False])
@@ -338,8 +415,10 @@ def test_auto_reads_the_models_hermes_calls(hermes_client, parallel):
     import re
 
     answer = HERMES_ANSWERS[0] + "\n" + HERMES_ANSWERS[1]
+    # a choice inside the first call's arguments (the forced text before it goes out first)
+    regex = re.escape(answer).replace("Paris", "(Paris|Lyon)")
     kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME, NO_PARAMETERS],
-              "max_tokens": 200, "temperature": 0, "extra_body": {"regex": re.escape(answer)}}
+              "max_tokens": 200, "temperature": 0, "extra_body": {"regex": regex}}
     if parallel is not None:
         kwargs["parallel_tool_calls"] = parallel
     (choice,) = hermes_client.chat.completions.create(**kwargs).choices
