@@ -113,9 +113,10 @@ class ServerArgs:
     tool_call_parser: str = _opt(
         "none", "how /v1/chat/completions reads the calls of a model answering tool_choice "
         "'auto' (OpenAI's default with tools): 'hermes', the <tool_call>{\"name\": ..., "
-        "\"arguments\": ...}</tool_call> blocks Qwen 2.5 and Hermes models write (vLLM's parser "
-        "of that name); 'none': 'auto' is a 400 ('required' and a named function need no "
-        "parser)", ("none", "hermes"),
+        "\"arguments\": ...}</tool_call> blocks Qwen 2.5 and Hermes models write; 'llama3_json', "
+        "the {\"name\": ..., \"parameters\": ...} objects Llama 3.1-3.3 answer with (vLLM's "
+        "parsers of those names); 'none': 'auto' is a 400 ('required' and a named function need "
+        "no parser)", ("none", "hermes", "llama3_json"),
     )
     max_prompt_chars: int | None = _opt(
         None,

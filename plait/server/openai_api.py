@@ -736,7 +736,7 @@ def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts,
                  plan: ToolPlan | None) -> Callable[[Delta], list[dict]]:
     """Content deltas; with a tool plan, tool_calls deltas: each call's id, type and name
     first, then its arguments as they grow (a list of calls: tool_calls.CallStreamer); a
-    parser's answer: tool_calls.HermesStreamer."""
+    parser's answer: tool_calls.ParsedCallStreamer."""
     streamers: dict[int, Any] = {}
     call_ids: dict[int, str] = {}
 
@@ -745,7 +745,7 @@ def _chat_chunks(req: ChatCompletionRequest, texts: TokenTexts,
         finished = d.finish_reason is not None
         has_calls = True
         if plan is not None and plan.parser is not None:
-            streamer = streamers.setdefault(d.index, tool_calls.HermesStreamer(plan))
+            streamer = streamers.setdefault(d.index, tool_calls.ParsedCallStreamer(plan))
             pieces = streamer.deltas(d.state.text, finished)
             logprobs = (chat_logprobs(d.state, *d.tokens, texts)
                         if req.logprobs and d.tokens[1] > d.tokens[0] else None)

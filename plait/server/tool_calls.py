@@ -7,8 +7,9 @@ call's arguments), "required"'s a JSON array of one or more {"name", "parameters
 (at most one with `parallel_tool_calls: false`). The answer comes back as
 `message.tool_calls`. "none" answers in text. "auto", OpenAI's default when tools are given,
 lets the model choose between text and a call in its own tool-call format: served with
-`--tool-call-parser hermes` (the <tool_call> blocks of Qwen 2.5 and Hermes models), else
-refused by name rather than answered in text that ignores the tools.
+`--tool-call-parser hermes` (the <tool_call> blocks of Qwen 2.5 and Hermes models) or
+`llama3_json` (Llama 3.1-3.3's JSON calls), else refused by name rather than answered in text
+that ignores the tools.
 
 The tools are passed to the chat template (`tools`), as transformers and vLLM pass them; a
 template that does not mention them (SmolLM2's) leaves them out of the prompt, and the grammar
@@ -94,14 +95,19 @@ class ToolPlan:
     def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """A whole answer's (content, tool_calls)."""
         if self.parser is not None:
-            calls = hermes_calls(text)
-            if calls is None:
+            reader = self.reader()
+            calls = reader.read(text, final=True)
+            if not calls:
                 return text, None
-            content = text[:text.index(HERMES_OPEN)].rstrip()
+            content = text[:reader.first].rstrip()
             calls = calls[:1] if self.one_call else calls
             return (content if content.strip() else None), [_call(*c) for c in calls]
         calls = self.calls(text)
         return (None, calls) if calls else (text, None)
+
+    def reader(self) -> HermesReader | JsonCallsReader:
+        """A new reader of the parser's calls."""
+        return PARSERS[self.parser]()
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The answer's tool calls in OpenAI's form: a named function's call is its text; a
@@ -280,12 +286,69 @@ class HermesReader:
             self._search = close + len(HERMES_CLOSE)
         calls = []
         for _, scanner in self._blocks:
-            calls += [(c.name, _hermes_arguments(text, c, scanner.pos))
+            calls += [(c.name, _object_arguments(text, c, scanner.pos))
                       for c in scanner.calls if c.name is not None]
         return calls
 
+    def content_end(self, text: str) -> int:
+        """Before the first block is found: how much of the text may go out as content (not
+        what may start an opening tag)."""
+        return _held_back(text, len(text), HERMES_OPEN)
 
-def _hermes_arguments(text: str, c: ScannedCall, end: int) -> str:
+
+LLAMA_PYTHON_TAG = "<|python_tag|>"
+
+
+def _space_end(text: str, i: int) -> int:
+    """The index of the first character at or after i that is not space (len: none)."""
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+class JsonCallsReader:
+    """The calls of an answer that is JSON objects (vLLM's llama3_json parser's format, Llama
+    3.1-3.3's JSON tool calls): `{"name": .., "parameters": ..}` (or "arguments"), one or
+    more, separated by `;` or space, after an optional `<|python_tag|>` (there when special
+    tokens are kept); an answer whose first character past any space is not `{` (or that
+    tag) is text. Calls and arguments as HermesReader reads a block's; incremental."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None  # where the calls start (the object, or the tag)
+        self._scanner: CallScanner | None = None
+        self._text = False  # the answer is text
+
+    def read(self, text: str, final: bool) -> list[tuple[str, str]]:
+        """(name, arguments) of the calls in `text` so far."""
+        if self._scanner is None and not self._text:
+            start = _space_end(text, 0)
+            begin = start
+            if text.startswith(LLAMA_PYTHON_TAG, start):
+                begin = _space_end(text, start + len(LLAMA_PYTHON_TAG))
+            elif LLAMA_PYTHON_TAG.startswith(text[start:]) and not final:
+                return []  # space so far, or what may be the tag: not known yet
+            if begin == len(text) and not final:
+                return []  # the tag, nothing after it yet
+            if text.startswith("{", begin):
+                self.first = start
+                self._scanner = CallScanner(True, HERMES_ARGUMENTS, start=begin)
+            else:
+                self._text = True
+        if self._scanner is None:
+            return []
+        self._scanner.feed(text)
+        return [(c.name, _object_arguments(text, c, self._scanner.pos))
+                for c in self._scanner.calls if c.name is not None]
+
+    def content_end(self, text: str) -> int:
+        """How much of the text may go out as content: none until it is known to be text."""
+        return len(text) if self._text else 0
+
+
+def _object_arguments(text: str, c: ScannedCall, end: int) -> str:
+    """A call object's arguments read by CallScanner: the text the model wrote for them (up
+    to `end`, trailing space held back, while unfinished), a JSON string's value once whole,
+    "{}" for an object that closed without any."""
     if c.start is None:
         return "{}" if c.closed else ""
     if text[c.start] == '"':  # arguments written as a JSON string: its value, once whole
@@ -299,24 +362,22 @@ def _hermes_arguments(text: str, c: ScannedCall, end: int) -> str:
     return text[c.start:end].rstrip() if c.end is None else text[c.start:c.end]
 
 
-def hermes_calls(text: str) -> list[tuple[str, str]] | None:
-    """(name, arguments text) of the calls in a whole answer's Hermes blocks (HermesReader);
-    None if it has none."""
-    return HermesReader().read(text, final=True) or None
+# --tool-call-parser: the readers of the models' own formats, by vLLM's parser names
+PARSERS = {"hermes": HermesReader, "llama3_json": JsonCallsReader}
 
 
-class HermesStreamer:
-    """An "auto" answer read by the hermes parser, as stream deltas that add up to the whole
-    answer's: content as it comes, up to the first <tool_call> (what may be the start of one,
-    and trailing space, are held back); then each call as it is written (its id, type and name
-    once the name is whole, then its arguments as they grow); at the end, if the blocks held
-    no call, the held text as content."""
+class ParsedCallStreamer:
+    """An "auto" answer read by the server's tool-call parser, as stream deltas that add up to
+    the whole answer's (ToolPlan.answer): content as it comes, up to where the calls start
+    (what may start them, and trailing space, are held back); then each call as it is written
+    (its id, type and name once the name is whole, then its arguments as they grow); at the
+    end, if the answer held no call, the held text as content."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.sent = 0
         self.has_calls = False
-        self._reader = HermesReader()
+        self._reader = plan.reader()
         self._calls = CallStreamer()
 
     def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
@@ -325,8 +386,8 @@ class HermesStreamer:
         if self.plan.one_call:
             calls = calls[:1]
         first = self._reader.first
-        if first is None:  # content: hold back what may start the tag, unless finished
-            end = len(text) if finished else _held_back(text, len(text), HERMES_OPEN)
+        if first is None:  # content: hold back what may start the calls, unless finished
+            end = len(text) if finished else self._reader.content_end(text)
         else:
             end = first
         if not finished or first is not None:
@@ -394,11 +455,12 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_call
             raise RequestError(f"tools.{i}.function.name", f"{name!r} is also tools.{names[name]}")
         names[name] = i
     if choice is None or choice == "auto":
-        if parser == "hermes":  # the model's own answer, read for calls
+        if parser in PARSERS:  # the model's own answer, read for calls
             return ToolPlan(None, None, parser, one_call=parallel_tool_calls is False)
         raise RequestError("tool_choice", "'auto' (the default with tools) lets the model answer "
                            "in its own tool-call format, which this server does not parse "
-                           "(start it with --tool-call-parser hermes for <tool_call> blocks); "
+                           "(start it with --tool-call-parser hermes for <tool_call> blocks, "
+                           "or llama3_json for Llama 3's JSON calls); "
                            "use 'required', a named function ({'type': 'function', 'function': "
                            "{'name': ...}}) or 'none'")
     if choice == "none":

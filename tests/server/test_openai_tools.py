@@ -300,61 +300,86 @@ def _merged(pieces: list[dict]) -> list[tuple[str, str]]:
     return [tuple(v) for v in got.values()]
 
 
-@pytest.mark.parametrize("text", HERMES_ANSWERS)
-@pytest.mark.parametrize("one_call", [False, True])
-def test_hermes_answers_stream_piece_by_piece_to_the_whole_answer(text, one_call):
-    """HermesStreamer fed the text a character at a time: content, then each call's name and
-    arguments as written, add up to the whole answer's (ToolPlan.answer)."""
-    from plait.server.tool_calls import HermesStreamer, ToolPlan
+LLAMA_ANSWERS = [
+    '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+    ('<|python_tag|>{"name": "ping", "parameters": {}}; {"name": "get-time", "arguments": '
+     '{"zone": "UTC"}}'),
+    '  \n{"parameters": {"x": [1, "}"]}, "name": "p"} {"name": "q"}',
+    'The weather {"name": "get_weather"} is fine.',  # text first: text
+    '{"city": "Paris"}',  # JSON without a name: text
+    '{"name": "get_weather", "parameters": {"ci',  # cut
+    "<|python_tag|>",
+    "<|python",
+    "   ",
+]
 
-    plan = ToolPlan(None, None, "hermes", one_call=one_call)
-    content, calls = plan.answer(text)
-    streamer, streamed, got = HermesStreamer(plan), "", []
-    for k in range(1, len(text) + 1):
+
+def _stream_parsed(plan, text, steps):
+    """ParsedCallStreamer fed growing prefixes of text (ends in `steps`): the streamed
+    content, the calls put together, and whether it said it had calls."""
+    from plait.server.tool_calls import ParsedCallStreamer
+
+    streamer, streamed, got = ParsedCallStreamer(plan), "", []
+    for k in steps:
         for d in streamer.deltas(text[:k], finished=k == len(text)):
             streamed += d.get("content", "")
             got += d.get("tool_calls", [])
+    return streamed, _merged(got), streamer.has_calls
+
+
+@pytest.mark.parametrize("parser, text", [("hermes", t) for t in HERMES_ANSWERS]
+                         + [("llama3_json", t) for t in LLAMA_ANSWERS])
+@pytest.mark.parametrize("one_call", [False, True])
+def test_parsed_answers_stream_piece_by_piece_to_the_whole_answer(parser, text, one_call):
+    """ParsedCallStreamer fed the text a character at a time: content, then each call's name
+    and arguments as written, add up to the whole answer's (ToolPlan.answer)."""
+    from plait.server.tool_calls import ToolPlan
+
+    plan = ToolPlan(None, None, parser, one_call=one_call)
+    content, calls = plan.answer(text)
+    streamed, got, has_calls = _stream_parsed(plan, text, range(1, len(text) + 1))
     assert streamed == (content or "")
-    assert _merged(got) == [(c["function"]["name"], c["function"]["arguments"])
-                            for c in calls or []]
-    assert streamer.has_calls == (calls is not None)
+    assert got == [(c["function"]["name"], c["function"]["arguments"]) for c in calls or []]
+    assert has_calls == (calls is not None)
     if calls is None:
         assert content == text  # not a call after all: the whole text is the content
 
 
-def test_hermes_streams_equal_whole_answers_on_random_texts():
+@pytest.mark.parametrize("parser, extra", [
+    ("hermes", ["<tool_call>", "</tool_call>", "<tool_", "</tool"]),
+    ("llama3_json", ["<|python_tag|>", "<|py", ";", "{"])])
+def test_parsed_streams_equal_whole_answers_on_random_texts(parser, extra):
     """Random texts of tag, JSON and stray pieces, streamed in random steps: the streamed
     content and calls are the whole answer's every time (and nothing raises)."""
     import random
 
-    from plait.server.tool_calls import HermesStreamer, ToolPlan
+    from plait.server.tool_calls import ToolPlan
 
-    pieces = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "{", "}", "[", "]", '"name"',
-              '"arguments"', '"parameters"', ":", ",", " ", "\n", '"x"', '"a\\"b"', "\\", "1",
-              '"', "text", "<", '{"name": "f", "arguments": {"a": [1, "}"]}}']
+    pieces = [*extra, "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', ":", ",",
+              " ", "\n", '"x"', '"a\\"b"', "\\", "1", '"', "text", "<",
+              '{"name": "f", "arguments": {"a": [1, "}"]}}']
     rng = random.Random(0)
     for _ in range(1500):
         text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 25)))
-        plan = ToolPlan(None, None, "hermes", one_call=rng.random() < 0.3)
+        plan = ToolPlan(None, None, parser, one_call=rng.random() < 0.3)
         content, calls = plan.answer(text)
-        streamer, streamed, got, k = HermesStreamer(plan), "", [], 0
+        steps, k = [], 0
         while k < len(text):
             k = min(len(text), k + rng.randrange(1, 4))
-            for d in streamer.deltas(text[:k], finished=k == len(text)):
-                streamed += d.get("content", "")
-                got += d.get("tool_calls", [])
+            steps.append(k)
+        streamed, got, _ = _stream_parsed(plan, text, steps)
         assert streamed == (content or ""), text
-        assert _merged(got) == [(c["function"]["name"], c["function"]["arguments"])
-                                for c in calls or []], text
+        assert got == [(c["function"]["name"], c["function"]["arguments"])
+                       for c in calls or []], text
 
 
 def test_hermes_calls_stream_as_they_are_written():
     """A call's name goes out once whole and its arguments as they grow, long before the
     answer ends; what may be a closing tag is held back until it is one."""
-    from plait.server.tool_calls import HermesStreamer, ToolPlan
+    from plait.server.tool_calls import ParsedCallStreamer, ToolPlan
 
     text = HERMES_ANSWERS[1]
-    streamer = HermesStreamer(ToolPlan(None, None, "hermes"))
+    streamer = ParsedCallStreamer(ToolPlan(None, None, "hermes"))
     cut = text.index('", "arguments"') + 1  # the first call's name just whole
     (d,) = streamer.deltas(text[:cut], finished=False)
     assert _merged(d["tool_calls"]) == [("ping", "")]
@@ -385,6 +410,23 @@ def test_hermes_calls_are_read_with_their_arguments():
     assert read(HERMES_ANSWERS[8]) == (None, [
         ("s", '{"q": "a }] b"}'), ("t", '{"k": 1}'), ("u", "5"), ("v", "{}")])
     assert read(HERMES_ANSWERS[9]) == (None, [("w", "{}")])  # a name that is no JSON string
+
+
+def test_llama3_json_calls_are_read_with_their_arguments():
+    from plait.server.tool_calls import ToolPlan
+
+    def read(text):
+        content, calls = ToolPlan(None, None, "llama3_json").answer(text)
+        return content, [(c["function"]["name"], c["function"]["arguments"])
+                         for c in calls or []]
+
+    assert read(LLAMA_ANSWERS[0]) == (None, [
+        ("get_weather", '{"city": "Paris", "unit": "celsius"}')])
+    assert read(LLAMA_ANSWERS[1]) == (None, [("ping", "{}"), ("get-time", '{"zone": "UTC"}')])
+    assert read(LLAMA_ANSWERS[2]) == (None, [("p", '{"x": [1, "}"]}'), ("q", "{}")])
+    for text in (*LLAMA_ANSWERS[3:5], *LLAMA_ANSWERS[6:]):
+        assert read(text) == (text, [])
+    assert read(LLAMA_ANSWERS[5]) == (None, [("get_weather", '{"ci')])
 
 
 @pytest.fixture(scope="module")
@@ -430,6 +472,40 @@ def test_auto_reads_the_models_hermes_calls(hermes_client, parallel):
     content, calls, reasons = _stream(hermes_client, **kwargs)
     assert content == "Sure." and reasons == ["tool_calls"]
     assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+@pytest.fixture(scope="module")
+def llama_client(tiny_llama):
+    from tests.server.server_utils import start_server
+
+    server = start_server(tiny_llama, tool_call_parser="llama3_json")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+    server.shutdown()
+
+
+def test_auto_reads_the_models_llama3_json_calls(llama_client):
+    """--tool-call-parser llama3_json: the answer's JSON objects are the calls (the random
+    test model held to them by a regex), streamed or whole alike; a text answer is content."""
+    import re
+
+    answer = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+              '"celsius"}}; {"name": "ping", "parameters": {}}')
+    regex = re.escape(answer).replace("Paris", "(Paris|Lyon)")
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME, NO_PARAMETERS],
+              "max_tokens": 200, "temperature": 0, "extra_body": {"regex": regex}}
+    (choice,) = llama_client.chat.completions.create(**kwargs).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "ping"]
+    for call in choice.message.tool_calls:
+        check_call(call)
+    assert _stream(llama_client, **kwargs) == (
+        "", [(c.function.name, c.function.arguments) for c in choice.message.tool_calls],
+        ["tool_calls"])
+    kwargs["extra_body"] = {"regex": "It is sunny in (Paris|Lyon)\\."}
+    (choice,) = llama_client.chat.completions.create(**kwargs).choices
+    assert choice.message.tool_calls is None and choice.message.content.startswith("It is sunny")
+    assert _stream(llama_client, **kwargs) == (choice.message.content, [], [choice.finish_reason])
 
 
 def test_auto_without_calls_answers_in_text(hermes_client):
