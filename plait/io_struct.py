@@ -46,7 +46,6 @@ IGNORED_SAMPLING_FIELDS = ("spaces_between_special_tokens", "stream_interval")
 UNSUPPORTED_SAMPLING_FIELDS = (
     "stop_regex",
     "custom_params",
-    "structural_tag",
     "beam_width",
     "watermark",
 )

@@ -16,7 +16,7 @@ from typing import Any
 from plait.errors import RequestError
 
 # Kinds of output constraint; at most one per request.
-CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices", "json_object")
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices", "json_object", "structural_tag")
 
 # Bounds (documented in the README). A value outside them is a RequestError naming the field.
 MAX_INT = 2**31 - 1  # token counts, top_k, token ids before the vocabulary check
@@ -58,6 +58,9 @@ class SamplingParams:
     ebnf: str | None = None
     choices: list[str] | None = None
     json_object: bool = False
+    # xgrammar's structural tag (JSON text, as SGLang takes it): free text with tagged parts
+    # held to their formats (plait's tool calls with --tool-call-parser use it)
+    structural_tag: str | None = None
     # {token id: bias} added to the logits before penalties, masks and sampling (OpenAI's and
     # SGLang's logit_bias; JSON object keys are the ids as strings)
     logit_bias: dict[str, float] | None = None
@@ -71,6 +74,12 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             self.json_schema = schema_to_json(self.json_schema)
+        if isinstance(self.structural_tag, dict):
+            try:
+                self.structural_tag = json.dumps(self.structural_tag, sort_keys=True,
+                                                 allow_nan=False)
+            except (TypeError, ValueError, RecursionError) as e:
+                raise RequestError("structural_tag", f"not serializable as JSON ({e})") from None
         self.validate()
         if self.logit_bias is not None:  # canonical: "id" -> float, or None when empty
             self.logit_bias = {str(int(k)): float(v) for k, v in self.logit_bias.items()} or None
@@ -117,7 +126,7 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_object"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
-        for name in ("regex", "ebnf", "json_schema"):
+        for name in ("regex", "ebnf", "json_schema", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise RequestError(name, "must be a non-empty string")
@@ -181,6 +190,8 @@ class SamplingParams:
             return ("choices", json.dumps(self.choices))
         if self.json_object:
             return ("json_object", "")
+        if self.structural_tag is not None:
+            return ("structural_tag", self.structural_tag)
         return None
 
     @property

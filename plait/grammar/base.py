@@ -1,7 +1,8 @@
 """The constraint interface: GrammarBackend.compile(kind, spec) -> CompiledGrammar -> Matcher.
 
 Kinds: "json_schema" (canonical JSON text), "json_object" (spec ""), "regex", "ebnf",
-"choices" (JSON list of strings). A constraint the backend cannot enforce exactly raises
+"choices" (JSON list of strings), "structural_tag" (xgrammar's structural tag, JSON text: free
+text with tagged, constrained parts; xgrammar backend only). A constraint the backend cannot enforce exactly raises
 GrammarError naming the unsupported feature; nothing is ever silently weakened.
 
 Token masks are int32 bitmasks [batch, ceil(vocab_size / 32)], bit j of word w allowing
@@ -17,7 +18,7 @@ import torch
 
 from plait.registry import GRAMMAR_BACKENDS
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choices", "structural_tag")
 
 
 class GrammarError(ValueError):

@@ -31,7 +31,7 @@ def canonical_spec(kind: str, spec: str) -> str:
         raise GrammarError(f"unknown constraint kind {kind!r} (known: {', '.join(GRAMMAR_KINDS)})")
     if kind == "json_object":
         return ""
-    if kind in ("json_schema", "choices"):
+    if kind in ("json_schema", "choices", "structural_tag"):
         try:
             return json.dumps(json.loads(spec), sort_keys=True, separators=(",", ":"))
         except (json.JSONDecodeError, TypeError) as e:

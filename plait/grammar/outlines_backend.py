@@ -153,6 +153,11 @@ class OutlinesBackend(GrammarBackend):
                 "not regular); use the xgrammar backend",
                 "ebnf",
             )
+        if kind == "structural_tag":
+            raise GrammarError(
+                "structural_tag: the outlines grammar backend has no structural tags; use the "
+                "xgrammar backend", kind,
+            )
         raise GrammarError(f"unknown constraint kind {kind!r}", kind)
 
     # ------------------------------------------------------------------ persistence
@@ -176,7 +181,8 @@ class OutlinesBackend(GrammarBackend):
     def supported_features(cls) -> dict:
         return {
             "kinds": ["json_schema", "json_object", "regex", "choices"],
-            "refused_kinds": {"ebnf": "not a regular language"},
+            "refused_kinds": {"ebnf": "not a regular language",
+                              "structural_tag": "xgrammar's format, not outlines'"},
             "json_schema": {
                 "supported_keywords": sorted(POLICY.supported),
                 "refused_keywords": POLICY.refused(),

@@ -1,4 +1,5 @@
-"""Grammar backend on xgrammar (the default): JSON schema, JSON object, regex, EBNF, choices.
+"""Grammar backend on xgrammar (the default): JSON schema, JSON object, regex, EBNF, choices,
+structural tags.
 
 xgrammar compiles a pushdown automaton with per-state token-mask caches and releases the GIL
 while it does (measured: a 2 s compile on a worker thread left a 10 ms ticker on the main
@@ -68,6 +69,7 @@ class XGrammarBackend(GrammarBackend):
             "choices": lambda s: self._call(
                 self._compiler.compile_regex, choices_regex(choices_of(s)), "choices"
             ),
+            "structural_tag": self._structural_tag,
         }.get(kind)
         if compile_fn is None:
             raise GrammarError(f"unknown constraint kind {kind!r}", kind)
@@ -76,12 +78,15 @@ class XGrammarBackend(GrammarBackend):
     def _json_schema(self, spec: str) -> xgr.CompiledGrammar:
         return self._schema(prepare_schema(spec, POLICY), "json_schema")
 
-    def _schema(self, core: dict, param: str) -> xgr.CompiledGrammar:
-        options = {
+    def _schema_options(self) -> dict:
+        return {
             "any_whitespace": self.any_whitespace,
             "max_whitespace_cnt": self.max_whitespace if self.any_whitespace else None,
             "strict_mode": True,
         }
+
+    def _schema(self, core: dict, param: str) -> xgr.CompiledGrammar:
+        options = self._schema_options()
         core, patterns = extract_patterns(core)
         if not patterns:
             return self._call(
@@ -89,11 +94,43 @@ class XGrammarBackend(GrammarBackend):
                 json.dumps(core),
                 param,
             )
-        grammar = self._call(
-            lambda text: xgr.Grammar.from_json_schema(text, **options), json.dumps(core), param
-        )
-        ebnf = splice_patterns(str(grammar), patterns)
-        return self._call(self._compiler.compile_grammar, ebnf, param)
+        return self._call(self._compiler.compile_grammar, self._schema_ebnf(core, patterns,
+                                                                            param), param)
+
+    def _schema_ebnf(self, core: dict, patterns, param: str) -> str:
+        """The EBNF of a prepared schema whose patterns extract_patterns took out."""
+        grammar = self._call(lambda text: xgr.Grammar.from_json_schema(
+            text, **self._schema_options()), json.dumps(core), param)
+        return splice_patterns(str(grammar), patterns)
+
+    def _structural_tag(self, spec: str) -> xgr.CompiledGrammar:
+        """xgrammar's structural tag, its JSON-schema parts held to plait's schema rules: each
+        becomes the EBNF the json_schema kind compiles for it (unsupported keywords refused,
+        patterns spliced as there), so a schema inside a tag is enforced exactly as one in
+        response_format is."""
+        param = "structural_tag"
+        try:
+            tag = json.loads(spec)
+        except ValueError as e:
+            raise GrammarError(f"{param}: not valid JSON ({e})", param) from None
+
+        def rewrite(node):
+            if isinstance(node, list):
+                return [rewrite(v) for v in node]
+            if not isinstance(node, dict):
+                return node
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                if node.get("style", "json") != "json":
+                    raise GrammarError(f"{param}: json_schema style {node['style']!r} is not "
+                                       "supported (only 'json')", param)
+                schema = node["json_schema"]
+                core = prepare_schema(json.dumps(schema) if not isinstance(schema, str)
+                                      else schema, POLICY)
+                return {"type": "grammar", "grammar": self._schema_ebnf(*extract_patterns(core),
+                                                                       param)}
+            return {k: rewrite(v) for k, v in node.items()}
+
+        return self._call(self._compiler.compile_structural_tag, json.dumps(rewrite(tag)), param)
 
     @staticmethod
     def _call(fn, arg: str, param: str) -> xgr.CompiledGrammar:
@@ -123,7 +160,7 @@ class XGrammarBackend(GrammarBackend):
     @classmethod
     def supported_features(cls) -> dict:
         return {
-            "kinds": ["json_schema", "json_object", "regex", "ebnf", "choices"],
+            "kinds": ["json_schema", "json_object", "regex", "ebnf", "choices", "structural_tag"],
             "json_schema": {
                 "supported_keywords": sorted(POLICY.supported),
                 "refused_keywords": POLICY.refused(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -215,7 +216,7 @@ def openai_error(e: RequestError, constraint_field: str | None = None) -> Reques
     field = e.field
     if field in OPENAI_NAMES:
         return e.renamed(OPENAI_NAMES[field])
-    if constraint_field and field in ("json_schema", "json_object"):
+    if constraint_field and field in ("json_schema", "json_object", "structural_tag"):
         return e.renamed(constraint_field)
     return e
 
@@ -594,6 +595,11 @@ async def chat_completions(request: Request) -> Response:
     fmt = req.response_format
     if tool_plan is not None and tool_plan.schema is not None:
         constraint, constraint_field = {"json_schema": tool_plan.schema}, "tools"
+    elif (tool_plan is not None and tool_plan.tag is not None and _other_constraint(req) is None
+          and request.app.state.args.grammar_backend == "xgrammar"):
+        # "auto" with a parser: free text, each call held to its tool (xgrammar's structural
+        # tags; the outlines backend has none: its calls are read as written)
+        constraint, constraint_field = {"structural_tag": json.dumps(tool_plan.tag)}, "tools"
     else:
         constraint = response_format_constraint(fmt)
         constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None

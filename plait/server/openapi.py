@@ -30,7 +30,7 @@ def _sampling_model() -> type[BaseModel]:
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(SamplingParams):
         kind = hints[f.name]
-        if f.name == "json_schema":
+        if f.name in ("json_schema", "structural_tag"):
             kind = str | dict[str, Any] | None
         elif f.name == "stop":
             kind = str | list[str] | None

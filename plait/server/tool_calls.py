@@ -9,7 +9,8 @@ call's arguments), "required"'s a JSON array of one or more {"name", "parameters
 lets the model choose between text and a call in its own tool-call format: served with
 `--tool-call-parser hermes` (the <tool_call> blocks of Qwen 2.5 and Hermes models) or
 `llama3_json` (Llama 3.1-3.3's JSON calls), else refused by name rather than answered in text
-that ignores the tools.
+that ignores the tools; with xgrammar, a structural tag (call_tag) holds each call the model
+starts to one of the tools and its schema, the rest of the answer free.
 
 The tools are passed to the chat template (`tools`), as transformers and vLLM pass them; a
 template that does not mention them (SmolLM2's) leaves them out of the prompt, and the grammar
@@ -84,6 +85,9 @@ class ToolPlan:
     schema: dict[str, Any] | None
     parser: str | None = None
     one_call: bool = False  # parallel_tool_calls false, for a parser's calls
+    # a parser's answer: the structural tag that holds each call the model starts to its tool
+    # (name and arguments) and leaves the rest free (xgrammar; call_tag)
+    tag: dict[str, Any] | None = None
 
     def finish_reason(self, reason: str | None, has_calls: bool) -> str | None:
         """OpenAI ends a call it forced by name with "stop", calls the model chose with
@@ -456,7 +460,8 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_call
         names[name] = i
     if choice is None or choice == "auto":
         if parser in PARSERS:  # the model's own answer, read for calls
-            return ToolPlan(None, None, parser, one_call=parallel_tool_calls is False)
+            one_call = parallel_tool_calls is False
+            return ToolPlan(None, None, parser, one_call, call_tag(parser, tools, one_call))
         raise RequestError("tool_choice", "'auto' (the default with tools) lets the model answer "
                            "in its own tool-call format, which this server does not parse "
                            "(start it with --tool-call-parser hermes for <tool_call> blocks, "
@@ -492,6 +497,27 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_call
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
     return ToolPlan(None, schema)
+
+
+# how each parser's format writes a call: (trigger, begin with the name, arguments' key, end)
+_CALL_FORMATS = {
+    "hermes": ("<tool_call>", '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"),
+    "llama3_json": ('{"name": ', '{{"name": {name}, "parameters": ', "}"),
+}
+
+
+def call_tag(parser: str, tools: list[Tool], one_call: bool) -> dict[str, Any]:
+    """xgrammar's structural tag for "auto" with a parser: text as the model likes, and once
+    it starts a call (the format's trigger), the call is one of the tools by name with its
+    `parameters` schema's arguments, in the format the parser reads (vLLM and SGLang ask this
+    of the model in its chat template alone). With one_call, the answer ends after a call."""
+    trigger, begin, end = _CALL_FORMATS[parser]
+    tags = [{"type": "tag", "begin": begin.format(name=json.dumps(t.function.name)),
+             "content": {"type": "json_schema", "json_schema": _parameters(t)}, "end": end}
+            for t in tools]
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False,
+        "stop_after_first": one_call}}
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:

@@ -508,6 +508,44 @@ def test_auto_reads_the_models_llama3_json_calls(llama_client):
     assert _stream(llama_client, **kwargs) == (choice.message.content, [], [choice.finish_reason])
 
 
+def test_auto_holds_the_models_calls_to_the_tools(hermes_client):
+    """With a parser and no other constraint, "auto" runs under a structural tag (the calls
+    held to the tools: tests/grammar/test_structural_tag.py): the scheduler compiles one, and
+    a tool whose schema plait cannot enforce is a 400 naming the tools, as for "required"."""
+    info = httpx.get(str(hermes_client.base_url).removesuffix("/v1/") + "/get_server_info")
+    before = info.json()["grammar"].get("cache_misses", 0)  # {} before a first constraint
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME],
+              "max_tokens": 8, "temperature": 0}
+    hermes_client.chat.completions.create(**kwargs)
+    info = httpx.get(str(hermes_client.base_url).removesuffix("/v1/") + "/get_server_info")
+    assert info.json()["grammar"]["cache_misses"] == before + 1
+    unique = {"type": "function", "function": {"name": "tags", "parameters": {
+        "type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        hermes_client.chat.completions.create(**{**kwargs, "tools": [WEATHER, unique]})
+    assert e.value.body["param"] == "tools" and "uniqueItems" in e.value.body["message"]
+
+
+def test_generate_takes_a_structural_tag(http):
+    """SGLang's structural_tag sampling parameter on /generate (a JSON object or its text):
+    the output is the tag's format, its JSON schema part held as a response_format's is."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"}}}
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<x>", "content": {"type": "json_schema", "json_schema": schema},
+        "end": "</x>"}}
+    for value in (tag, json.dumps(tag)):
+        r = http.post("/generate", json={"text": "Weather:", "sampling_params": {
+            "max_new_tokens": 80, "temperature": 0, "structural_tag": value}})
+        assert r.status_code == 200, r.text
+        text = r.json()["text"]
+        assert text.startswith("<x>") and text.endswith("</x>"), text
+        jsonschema.validate(json.loads(text[3:-4]), schema)
+    r = http.post("/generate", json={"text": "x", "sampling_params": {
+        "structural_tag": tag, "regex": "a+"}})
+    assert r.status_code == 400 and "only one constraint" in r.text
+
+
 def test_auto_without_calls_answers_in_text(hermes_client):
     kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER],
               "tool_choice": "auto", "max_tokens": 16, "temperature": 0}
