@@ -287,6 +287,8 @@ class ConstraintTracker:
         m, remaining = req.grammar, req.remaining_new_tokens
         if m is None or m.is_terminated() or remaining > CLOSE_WINDOW or not self.eos_ids:
             return []
+        if m.can_terminate():  # what is written is whole: a cut there leaves it valid (a
+            return []  # structural tag's free text, a finished regex); nothing to close
         last_len, last_at = req.closing_plan  # last_len -1: no plan was found then
         tight = last_len is not None and remaining <= last_len + 1 + CLOSE_MARGIN + CLOSE_RECHECK_SLACK
         if last_len is not None and not tight and last_at - remaining < CLOSE_RECHECK_EVERY:

@@ -74,6 +74,24 @@ def test_regex_and_choices(engine):
     assert all(o["text"] in choices for o in outs)
 
 
+def test_a_budget_ending_where_the_output_is_whole_is_not_cut_short(engine):
+    """The budget planner closes what is open; output its constraint already takes as whole (a
+    structural tag's free text) runs to max_new_tokens as the same text unconstrained does,
+    not ended a few tokens early (it was: "stop" 3 tokens before the budget)."""
+    if engine.args.grammar_backend != "xgrammar":
+        pytest.skip("structural tags are xgrammar's")
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [{
+            "type": "tag", "begin": "<tool_call>", "end": "</tool_call>",
+            "content": {"type": "json_schema", "json_schema": {"type": "object"}}}]}}
+    free, held = (engine.generate(PROMPTS, {"max_new_tokens": 24, "temperature": 0.0,
+                                            "ignore_eos": True, **extra})
+                  for extra in ({}, {"structural_tag": tag}))
+    for a, b in zip(free, held):
+        assert b["meta_info"]["finish_reason"]["type"] == "length", b["meta_info"]
+        assert (a["output_ids"], a["text"]) == (b["output_ids"], b["text"])
+
+
 @pytest.mark.parametrize(
     "params, word",
     [
