@@ -58,8 +58,9 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None  # structural_tag's (vLLM's form: xgrammar's format)
 
 
 class _Sampling(_Body):
@@ -226,6 +227,10 @@ def response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any]:
         return {}
     if fmt.type == "json_object":
         return {"json_object": True}
+    if fmt.type == "structural_tag":
+        if fmt.format is None:
+            raise RequestError("response_format.format", "required for type structural_tag")
+        return {"structural_tag": {"type": "structural_tag", "format": fmt.format}}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise RequestError("response_format.json_schema.schema", "required for type json_schema")
     return {"json_schema": fmt.json_schema.schema_}

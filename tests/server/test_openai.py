@@ -324,6 +324,27 @@ def test_response_format_json_schema(client):
     assert r.choices[0].text in ("red", "green")
 
 
+def test_response_format_structural_tag(client):
+    """vLLM's response_format {"type": "structural_tag", "format": ...}: the answer is the
+    tag's format, its JSON part held to its schema; a schema plait refuses is a 400 naming
+    response_format."""
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "tag", "begin": "<person>", "end": "</person>",
+           "content": {"type": "json_schema", "json_schema": SCHEMA}}
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=64, temperature=0,
+        response_format={"type": "structural_tag", "format": fmt})
+    text = r.choices[0].message.content
+    assert text.startswith("<person>") and text.endswith("</person>"), text
+    jsonschema.validate(json.loads(text[len("<person>"):-len("</person>")]), SCHEMA)
+    fmt["content"]["json_schema"] = {"type": "array", "uniqueItems": True}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, max_tokens=8,
+            response_format={"type": "structural_tag", "format": fmt})
+    assert e.value.body["param"] == "response_format" and "uniqueItems" in e.value.body["message"]
+
+
 def test_invalid_constraint_is_a_400(client):
     pytest.importorskip("plait.grammar.manager", reason="the grammar layer is not in this tree yet")
     with pytest.raises(openai.BadRequestError):

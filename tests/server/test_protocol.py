@@ -55,6 +55,16 @@ def test_response_format_json_schema_needs_a_schema():
         chat_sampling(response_format={"type": "json_schema", "json_schema": {"name": "x"}})
 
 
+def test_response_format_structural_tag():
+    fmt = {"type": "tag", "begin": "<a>", "content": {"type": "json_schema",
+                                                      "json_schema": SCHEMA}, "end": "</a>"}
+    sp = chat_sampling(response_format={"type": "structural_tag", "format": fmt})
+    assert sp.constraint == ("structural_tag", json.dumps(
+        {"type": "structural_tag", "format": fmt}, sort_keys=True))
+    with pytest.raises(RequestError, match="response_format.format"):
+        chat_sampling(response_format={"type": "structural_tag"})
+
+
 @pytest.mark.parametrize(
     "field, value, kind",
     [
