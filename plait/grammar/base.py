@@ -2,8 +2,9 @@
 
 Kinds: "json_schema" (canonical JSON text), "json_object" (spec ""), "regex", "ebnf",
 "choices" (JSON list of strings), "structural_tag" (xgrammar's structural tag, JSON text: free
-text with tagged, constrained parts; xgrammar backend only). A constraint the backend cannot enforce exactly raises
-GrammarError naming the unsupported feature; nothing is ever silently weakened.
+text with tagged, constrained parts; xgrammar backend only). A constraint the backend cannot
+enforce exactly raises GrammarError naming the unsupported feature; nothing is ever silently
+weakened.
 
 Token masks are int32 bitmasks [batch, ceil(vocab_size / 32)], bit j of word w allowing
 token 32 * w + j; `apply_token_bitmask` applies a whole batch's masks in one call.

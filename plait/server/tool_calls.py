@@ -499,7 +499,7 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_call
     return ToolPlan(None, schema)
 
 
-# how each parser's format writes a call: (trigger, begin with the name, arguments' key, end)
+# how each parser's format writes a call: (trigger, its start up to the arguments, its end)
 _CALL_FORMATS = {
     "hermes": ("<tool_call>", '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"),
     "llama3_json": ('{"name": ', '{{"name": {name}, "parameters": ', "}"),
@@ -509,8 +509,8 @@ _CALL_FORMATS = {
 def call_tag(parser: str, tools: list[Tool], one_call: bool) -> dict[str, Any]:
     """xgrammar's structural tag for "auto" with a parser: text as the model likes, and once
     it starts a call (the format's trigger), the call is one of the tools by name with its
-    `parameters` schema's arguments, in the format the parser reads (vLLM and SGLang ask this
-    of the model in its chat template alone). With one_call, the answer ends after a call."""
+    `parameters` schema's arguments, in the layout the parser reads. With one_call, the answer
+    ends after a call."""
     trigger, begin, end = _CALL_FORMATS[parser]
     tags = [{"type": "tag", "begin": begin.format(name=json.dumps(t.function.name)),
              "content": {"type": "json_schema", "json_schema": _parameters(t)}, "end": end}

@@ -429,14 +429,20 @@ def test_llama3_json_calls_are_read_with_their_arguments():
     assert read(LLAMA_ANSWERS[5]) == (None, [("get_weather", '{"ci')])
 
 
-@pytest.fixture(scope="module")
-def hermes_client(tiny_llama):
+def _parser_client(model: str, parser: str):
+    """An OpenAI client of a server started with --tool-call-parser `parser` (a generator:
+    the server stops after the module's tests)."""
     from tests.server.server_utils import start_server
 
-    server = start_server(tiny_llama, tool_call_parser="hermes")
+    server = start_server(model, tool_call_parser=parser)
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
         yield c
     server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hermes_client(tiny_llama):
+    yield from _parser_client(tiny_llama, "hermes")
 
 
 def _stream(client, **kwargs):
@@ -476,12 +482,7 @@ def test_auto_reads_the_models_hermes_calls(hermes_client, parallel):
 
 @pytest.fixture(scope="module")
 def llama_client(tiny_llama):
-    from tests.server.server_utils import start_server
-
-    server = start_server(tiny_llama, tool_call_parser="llama3_json")
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-    server.shutdown()
+    yield from _parser_client(tiny_llama, "llama3_json")
 
 
 def test_auto_reads_the_models_llama3_json_calls(llama_client):
