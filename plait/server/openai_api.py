@@ -581,8 +581,10 @@ async def chat_completions(request: Request) -> Response:
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     check_model(request, req.model)
     check_openai_extras(req)
+    args = request.app.state.args
     tool_plan = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls,
-                                _other_constraint(req), request.app.state.args.tool_call_parser)
+                                _other_constraint(req), args.tool_call_parser,
+                                structural_tags=args.grammar_backend == "xgrammar")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise RequestError("top_logprobs", "requires logprobs to be true")
@@ -600,8 +602,7 @@ async def chat_completions(request: Request) -> Response:
     fmt = req.response_format
     if tool_plan is not None and tool_plan.schema is not None:
         constraint, constraint_field = {"json_schema": tool_plan.schema}, "tools"
-    elif (tool_plan is not None and tool_plan.tag is not None and _other_constraint(req) is None
-          and request.app.state.args.grammar_backend == "xgrammar"):
+    elif tool_plan is not None and tool_plan.tag is not None:
         # "auto" with a parser: free text, each call held to its tool (xgrammar's structural
         # tags; the outlines backend has none: its calls are read as written)
         constraint, constraint_field = {"structural_tag": json.dumps(tool_plan.tag)}, "tools"

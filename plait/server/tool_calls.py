@@ -264,7 +264,7 @@ class HermesReader:
 
     def __init__(self) -> None:
         self.first: int | None = None  # where the first <tool_call> starts
-        self._blocks: list[tuple[int, CallScanner]] = []  # (where its text starts, scanner)
+        self._blocks: list[CallScanner] = []  # each block's, from past its opening tag
         self._closed = 0  # blocks whose closing tag is found
         self._search = 0  # no opening tag starts before this (past the closed blocks)
 
@@ -278,9 +278,9 @@ class HermesReader:
                     break
                 if self.first is None:
                     self.first = tag
-                begin = tag + len(HERMES_OPEN)
-                self._blocks.append((begin, CallScanner(True, HERMES_ARGUMENTS, start=begin)))
-            begin, scanner = self._blocks[-1]
+                self._blocks.append(
+                    CallScanner(True, HERMES_ARGUMENTS, start=tag + len(HERMES_OPEN)))
+            scanner = self._blocks[-1]
             close = text.find(HERMES_CLOSE, scanner.pos)  # the scanner stops short of one
             if close < 0:
                 scanner.feed(text, None if final else _held_back(text, len(text), HERMES_CLOSE))
@@ -289,7 +289,7 @@ class HermesReader:
             self._closed += 1
             self._search = close + len(HERMES_CLOSE)
         calls = []
-        for _, scanner in self._blocks:
+        for scanner in self._blocks:
             calls += [(c.name, _object_arguments(text, c, scanner.pos))
                       for c in scanner.calls if c.name is not None]
         return calls
@@ -438,9 +438,12 @@ class CallStreamer:
 
 
 def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_calls: bool | None,
-         other_constraint: str | None, parser: str = "none") -> ToolPlan | None:
+         other_constraint: str | None, parser: str = "none",
+         structural_tags: bool = False) -> ToolPlan | None:
     """The request's tools and tool_choice checked; None when the answer is text. `parser`:
-    the server's --tool-call-parser, which "auto" needs."""
+    the server's --tool-call-parser, which "auto" needs; `structural_tags`: the server's
+    grammar backend has them (xgrammar), so that "auto" holds the calls to their tools where
+    the request has no other constraint."""
     if not tools:
         if tools is not None:
             raise RequestError("tools", "must not be empty (leave it out for no tools)")
@@ -461,7 +464,9 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_call
     if choice is None or choice == "auto":
         if parser in PARSERS:  # the model's own answer, read for calls
             one_call = parallel_tool_calls is False
-            return ToolPlan(None, None, parser, one_call, call_tag(parser, tools, one_call))
+            tag = (call_tag(parser, tools, one_call)
+                   if structural_tags and other_constraint is None else None)
+            return ToolPlan(None, None, parser, one_call, tag)
         raise RequestError("tool_choice", "'auto' (the default with tools) lets the model answer "
                            "in its own tool-call format, which this server does not parse "
                            "(start it with --tool-call-parser hermes for <tool_call> blocks, "
