@@ -234,6 +234,15 @@ class ServerArgs:
         "bf16 for those linears, so outputs can differ from fp32's; norms, attention, the KV "
         "cache and the logits stay as they are. 0 (default): fp32 linears throughout",
     )
+    cpu_amx_linear_rows: int = _opt(
+        0, "on a CPU with AMX (Intel Xeon 4th generation and later), float32 weights: "
+        "forwards of at least N rows (prefill chunks) run plait's fp32 linears on the AMX "
+        "tiles, each fp32 value split exactly into three bf16 pieces and multiplied as six "
+        "tile products: fp32's accuracy (the error against float64 about half the FMA "
+        "kernels'), not bf16's. Off by default: on this project's 2-core VM the tiles ran at "
+        "half their rate most of the time and the path measured 0.7-1.4x the FMA kernels at "
+        "256-1024 rows (README). 0 (default): never; ignored without AMX",
+    )
     disable_cpu_attention_kernel: bool = _opt(
         False, "on CPU, run decode attention as torch's gather + fused attention instead of "
         "plait's AVX2 kernel that reads the KV pool in place (built in the background on first "
@@ -320,7 +329,8 @@ class ServerArgs:
         ):
             raise ValueError(f"speculative_ngram: must be >= 0, got {self.speculative_ngram!r}")
         for name in ("speculative_ngram_max_tokens", "speculative_ngram_max_rows",
-                     "speculative_ngram_narrow_rows", "kv_run_tokens", "cpu_bf16_linear_rows"):
+                     "speculative_ngram_narrow_rows", "kv_run_tokens", "cpu_bf16_linear_rows",
+                     "cpu_amx_linear_rows"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be an integer >= 0, got {getattr(self, name)!r}")
         if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match:

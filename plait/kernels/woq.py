@@ -99,7 +99,40 @@ def _load(isa: str) -> ModuleType:
         raise RuntimeError(f"building the {isa} int8/int4 CPU kernels failed: {e}") from e
     assert module.isa == isa, (module.isa, isa)
     _ext[isa] = module
+    _apply_amx_rows(module)
     return module
+
+
+# ----------------------------------------------------------------------------- fp32 on AMX
+_amx_rows = 0  # fp32 linears of at least this many rows run on AMX tiles (0: never)
+
+
+def amx_capable() -> bool:
+    """Whether this CPU runs the AVX-512 build's fp32-on-AMX path (Linux's flags: AMX tiles
+    with bf16, AVX512-BF16 and -BW)."""
+    from plait.kernels.cpp_build import cpu_flags
+
+    return ("avx512" in available_isas()
+            and {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= cpu_flags())
+
+
+def set_fp32_amx_rows(rows: int) -> int:
+    """fp32 linears (fp32_linear, fp32_linear_silu) of at least `rows` rows run on the CPU's
+    AMX tiles from now on, in every loaded and later loaded AVX-512 build (woq_cpu.cpp's
+    "fp32 on AMX": each fp32 value split exactly into three bf16 pieces, six tile products,
+    fp32's accuracy); 0: never. Returns the rows in effect in the loaded builds (0 where the
+    CPU has no AMX or Linux gives the process no tile state)."""
+    global _amx_rows
+    if not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"fp32 AMX rows: must be an integer >= 0, got {rows!r}")
+    _amx_rows = rows if amx_capable() else 0
+    applied = [_apply_amx_rows(m) for m in _ext.values()]
+    return max(applied, default=_amx_rows)
+
+
+def _apply_amx_rows(module: ModuleType) -> int:
+    setter = getattr(module, "set_fp32_amx_rows", None)  # the AVX-512 build's
+    return setter(_amx_rows) if setter is not None else 0
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:

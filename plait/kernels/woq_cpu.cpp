@@ -43,9 +43,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -1032,6 +1035,250 @@ void panel_pair_blocks_quantized(const float* x, int64_t K, const Weights& wa,
 
 // out[M, N] = x[M, K] @ W.T over panels; make_weights(p) gives panel p's weight source. With
 // `silu` (fp32 panels of gate and up features, AVX-512): out[M, N / 2] = silu(gate) * up.
+#if defined(__AVX512F__)
+// ----------------------------------------------------------------------------- fp32 on AMX
+// fp32 linears of many rows on the CPU's AMX tiles (Intel Sapphire Rapids and later), with
+// fp32's accuracy: each fp32 value is split exactly into three bf16 pieces, a = a1 + a2 + a3
+// (a1 its top 8 significant bits, a2 the next 8 of the remainder, a3 the rest, which has at
+// most 8: truncations and exact subtractions), and x @ w is the sum of the six products
+// x1 w1 + x1 w2 + x2 w1 + x1 w3 + x2 w2 + x3 w1 (each bf16 x bf16 product is exact in fp32;
+// the three dropped, x2 w3 + x3 w2 + x3 w3, are below 2^-24 of x w, fp32's own rounding of a
+// product). The tile units accumulate in fp32; measured against float64 the results' error is
+// about half the FMA panels' (tests/kernels/test_woq_amx.py). Six tile products cost less than
+// the FMA chain from about 16-32 rows on (AMX's 512 bf16 multiply-adds a cycle against
+// AVX-512's 32 fp32 ones), so plait runs those linears here (g_amx_rows, woq.py).
+//
+// Per call the rows are split once into three pieces laid out as 1 KB A tiles ([row tile]
+// [32-input block][16 rows][32 inputs], zero-padded); per work item (a chunk of up to
+// kAmxChunk rows x one panel) the panel's fp32 weights are split into three pieces as B tiles
+// (AMX's pair layout: [piece][16-feature half][input pair][16 features][2]), 6 KB per 32
+// inputs, in a per-thread buffer (L2), then each block of 32 rows runs 24 tile products per 32
+// inputs into four result tiles (2 row tiles x 2 feature halves), grouped so that consecutive
+// products write different result tiles (one accumulating into the same tile waits for the
+// previous one's latency: 3-4x slower in a harness). Buffers are 64-byte aligned: tile rows
+// that straddle cache lines made runs 2-3x slower at random.
+#define PLAIT_AMX __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+
+int64_t g_amx_rows = 0;  // fp32 linears of at least this many rows run on AMX (0: never)
+constexpr int64_t kAmxChunk = 256;  // rows per work item: their split pieces, 6 B an input
+
+// Linux gives a process AMX state only when asked (once per process; threads inherit it)
+bool request_amx() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct AlignedBuffer {  // 64-byte aligned, grown on demand
+  void* p = nullptr;
+  size_t bytes = 0;
+  void reserve(size_t n) {
+    if (n <= bytes) return;
+    std::free(p);
+    bytes = (n + 63) / 64 * 64;
+    p = std::aligned_alloc(64, bytes);
+    TORCH_CHECK(p != nullptr, "fp32 AMX linear: out of memory");
+  }
+  ~AlignedBuffer() { std::free(p); }
+};
+
+// a = hi + mid + lo exactly, each with its low 16 bits zero (a bf16 in the high half)
+PLAIT_AMX inline void split3(__m512 a, __m512& hi, __m512& mid, __m512& lo) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), top));
+  const __m512 r = _mm512_sub_ps(a, hi);
+  mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), top));
+  lo = _mm512_sub_ps(r, mid);
+}
+
+// dword j = bf16 of a_j | bf16 of b_j << 16 (a and b as split3 leaves them)
+PLAIT_AMX inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  return _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(_mm512_castps_si512(a), 16),
+                                 _mm512_castps_si512(b));
+}
+
+// rows [m0, m1) of x [*, K] into the pieces' A tiles (piece stride `piece` uint16s; Kp the
+// inputs padded to 32); rows past M (up to the tile) are written as zeros by the caller
+PLAIT_AMX void amx_split_rows(const float* x, int64_t K, int64_t Kp, int64_t m0, int64_t m1,
+                              int64_t piece, uint16_t* out) {
+  const int64_t blocks = Kp / 32;
+  for (int64_t m = m0; m < m1; m++) {
+    for (int64_t k = 0; k < Kp; k += 32) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, K - k));
+      const __mmask16 lo_mask = n >= 16 ? 0xFFFF : (1u << n) - 1;
+      const __mmask16 hi_mask = n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0;
+      __m512 ah, am, al, bh, bm, bl;
+      split3(_mm512_maskz_loadu_ps(lo_mask, x + m * K + k), ah, am, al);
+      split3(_mm512_maskz_loadu_ps(hi_mask, x + m * K + k + 16), bh, bm, bl);
+      uint16_t* o = out + ((m / 16) * blocks + k / 32) * 512 + (m % 16) * 32;
+      // the pieces are exact bf16 values: the conversion's rounding leaves them as they are
+      _mm512_store_si512(o, (__m512i)_mm512_cvtne2ps_pbh(bh, ah));
+      _mm512_store_si512(o + piece, (__m512i)_mm512_cvtne2ps_pbh(bm, am));
+      _mm512_store_si512(o + 2 * piece, (__m512i)_mm512_cvtne2ps_pbh(bl, al));
+    }
+  }
+}
+
+// one fp32 panel w [K, 32] into the pieces' B tiles, out [3][2][Kp / 2][16][2]
+PLAIT_AMX void amx_split_panel(const float* w, int64_t K, int64_t Kp, uint16_t* out) {
+  const int64_t half = Kp / 2 * 32;  // uint16s per (piece, feature half)
+  for (int64_t i = 0; i < Kp / 2; i++) {
+    const int64_t k = 2 * i;
+    for (int c = 0; c < 2; c++) {
+      const __m512 a = k < K ? _mm512_loadu_ps(w + k * 32 + 16 * c) : _mm512_setzero_ps();
+      const __m512 b =
+          k + 1 < K ? _mm512_loadu_ps(w + (k + 1) * 32 + 16 * c) : _mm512_setzero_ps();
+      __m512 ah, am, al, bh, bm, bl;
+      split3(a, ah, am, al);
+      split3(b, bh, bm, bl);
+      uint16_t* o = out + c * half + i * 32;
+      _mm512_store_si512(o, bf16_pairs(ah, bh));
+      _mm512_store_si512(o + 2 * half, bf16_pairs(am, bm));
+      _mm512_store_si512(o + 4 * half, bf16_pairs(al, bl));
+    }
+  }
+}
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: results (row tile r, feature half c) at 2 r + c; 4, 5: the two row tiles' A
+// pieces; 6, 7: the two halves' B pieces; all 16 rows x 64 bytes
+PLAIT_AMX void amx_configure() {
+  AmxConfig cfg;
+  for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // (GCC 12's _tile_loadconfig declares an 8-byte operand: the stores above could be dropped)
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+PLAIT_AMX void amx_release() { _tile_release(); }
+
+// rows [16 t, 16 t + 16 (2 if two)) of the split x (A tiles from a, blocks of Kp / 32) times
+// one panel's split weights b: the fp32 results, c [32][32] (row stride 32 floats)
+// prefetch: `lines` cache lines from pf into L2, spread over the input blocks (the next
+// panel's weights, streamed while the tiles compute)
+template <bool two>
+PLAIT_AMX void amx_tile_rows(const uint16_t* a, int64_t piece, int64_t Kp,
+                             const uint16_t* b, float* c, const char* pf, int64_t lines) {
+  const int64_t half = Kp / 2 * 32, next_tile = Kp / 32 * 512;
+  const int64_t blocks = Kp / 32, per_block = pf ? (lines + blocks - 1) / blocks : 0;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+#define PLAIT_AMX_PRODUCTS   \
+  _tile_dpbf16ps(0, 4, 6);  \
+  _tile_dpbf16ps(1, 4, 7);  \
+  if (two) {                \
+    _tile_dpbf16ps(2, 5, 6); \
+    _tile_dpbf16ps(3, 5, 7); \
+  }
+#define PLAIT_AMX_LOAD_A(p)                                  \
+  _tile_loadd(4, a0 + (p) * piece, 64);                       \
+  if (two) {                                                  \
+    _tile_loadd(5, a0 + (p) * piece + next_tile, 64);         \
+  }
+  for (int64_t kb = 0; kb < Kp / 32; kb++) {
+    const uint16_t* a0 = a + kb * 512;
+    const uint16_t* b0 = b + kb * 512;
+    for (int64_t l = kb * per_block; l < std::min(lines, (kb + 1) * per_block); l++)
+      _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+    _tile_loadd(6, b0, 64);  // w1
+    _tile_loadd(7, b0 + half, 64);
+    PLAIT_AMX_LOAD_A(0)  // x1 w1
+    PLAIT_AMX_PRODUCTS
+    PLAIT_AMX_LOAD_A(1)  // x2 w1
+    PLAIT_AMX_PRODUCTS
+    PLAIT_AMX_LOAD_A(2)  // x3 w1
+    PLAIT_AMX_PRODUCTS
+    _tile_loadd(6, b0 + 2 * half, 64);  // w2
+    _tile_loadd(7, b0 + 3 * half, 64);
+    PLAIT_AMX_LOAD_A(0)  // x1 w2
+    PLAIT_AMX_PRODUCTS
+    PLAIT_AMX_LOAD_A(1)  // x2 w2
+    PLAIT_AMX_PRODUCTS
+    _tile_loadd(6, b0 + 4 * half, 64);  // w3
+    _tile_loadd(7, b0 + 5 * half, 64);
+    PLAIT_AMX_LOAD_A(0)  // x1 w3
+    PLAIT_AMX_PRODUCTS
+  }
+#undef PLAIT_AMX_PRODUCTS
+#undef PLAIT_AMX_LOAD_A
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if (two) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+// rows [0, rows) of c [32][32] to the panel's destination rows [m0, m0 + rows)
+PLAIT_AMX void amx_write(const float* c, int64_t rows, const Dest& d, int64_t m0) {
+  for (int64_t m = 0; m < rows; m++) {
+    const float* r = c + m * 32;
+    float* o = d.out + (m0 + m) * d.ldo;
+    if (d.silu) {  // 16 columns: silu(gate) * up, the gate the first half
+      _mm512_storeu_ps(o, silu_mul_exact(_mm512_load_ps(r), _mm512_load_ps(r + 16)));
+      continue;
+    }
+    const int64_t n = d.cols;
+    _mm512_mask_storeu_ps(o, n >= 16 ? 0xFFFF : (1u << n) - 1, _mm512_load_ps(r));
+    if (n > 16)
+      _mm512_mask_storeu_ps(o + 16, n >= 32 ? 0xFFFF : (1u << (n - 16)) - 1,
+                            _mm512_load_ps(r + 16));
+  }
+}
+
+// panel_gemm's fp32 panels (32 wide) on AMX; dest(p) as there
+template <class MakeDest>
+void amx_panel_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_t panels,
+                    const MakeDest& dest) {
+  const int64_t Kp = (K + 31) / 32 * 32, Mp = (M + 31) / 32 * 32;
+  const int64_t piece = Mp * Kp;
+  AlignedBuffer split;
+  split.reserve(3 * piece * sizeof(uint16_t));
+  auto* xs = static_cast<uint16_t*>(split.p);
+  // rows past M, up to the last 32-row block: zeros
+  for (int pc = 0; pc < 3; pc++)
+    std::memset(xs + pc * piece + (M / 16) * 16 * Kp, 0, (Mp - M / 16 * 16) * Kp * 2);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    amx_split_rows(x, K, Kp, m0, m1, piece, xs);
+  });
+  const int64_t chunks = (M + kAmxChunk - 1) / kAmxChunk;
+  parallel_panels(chunks * panels, [&](int64_t i0, int64_t i1) {
+    thread_local AlignedBuffer panel_split;
+    panel_split.reserve(3 * Kp * 32 * sizeof(uint16_t));
+    auto* ws = static_cast<uint16_t*>(panel_split.p);
+    alignas(64) float c[32 * 32];
+    amx_configure();
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t p = i % panels, r0 = i / panels * kAmxChunk;
+      const int64_t r1 = std::min(M, r0 + kAmxChunk);
+      amx_split_panel(w + p * K * kPanel, K, Kp, ws);
+      const Dest d = dest(p);
+      // the next item's panel into L2 while the first row block computes (within this run)
+      const char* next = i + 1 < i1
+          ? reinterpret_cast<const char*>(w + (i + 1) % panels * K * kPanel) : nullptr;
+      for (int64_t m = r0; m < r1; m += 32) {
+        const int64_t rows = std::min<int64_t>(32, r1 - m);
+        const uint16_t* a = xs + (m / 16) * (Kp / 32) * 512;
+        const char* pf = m == r0 ? next : nullptr;
+        if (rows > 16) amx_tile_rows<true>(a, piece, Kp, ws, c, pf, K * 2);
+        else amx_tile_rows<false>(a, piece, Kp, ws, c, pf, K * 2);
+        amx_write(c, rows, d, m);
+      }
+    }
+    amx_release();
+  });
+}
+#endif
+
+
 template <class MakeWeights>
 void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
                 const float* col_scale, MakeWeights make_weights, bool silu = false) {
@@ -1048,6 +1295,10 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out,
   const int64_t block_rows = (M + blocks - 1) / blocks;  // even blocks: no 1-row remnant
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<decltype(make_weights(0)), Fp32Weights>) {
+    if (g_amx_rows > 0 && M >= g_amx_rows) {
+      amx_panel_gemm(x, M, K, make_weights(0).w, panels, dest);
+      return;
+    }
     if (M >= kPairBlockMinRows) {  // panel pairs (a last odd panel alone, as below)
       const float* w = make_weights(0).w;
       const int64_t pairs = (panels + 1) / 2;
@@ -1321,6 +1572,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512F__)
   m.def("fp32_linear_silu", &fp32_linear_silu,
         "silu(gate) * up from 32-feature panels of interleaved gate and up features");
+  m.def("set_fp32_amx_rows", [](int64_t rows) {
+    TORCH_CHECK(rows >= 0, "set_fp32_amx_rows: rows must be >= 0");
+    g_amx_rows = rows > 0 && request_amx() ? rows : 0;
+    return g_amx_rows;
+  }, "fp32 linears of at least `rows` rows on AMX tiles (0: never); the rows in effect (0 "
+     "where Linux gives this process no AMX state)");
 #endif
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale[:, None]).T, q in 32-feature panels");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min, group 32).T, 32-feature panels");

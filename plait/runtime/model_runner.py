@@ -26,6 +26,7 @@ from plait.kernels.woq import (
     PanelLinear,
     available_isas,
     quantize_linears,
+    set_fp32_amx_rows,
     start_linear_kernels,
 )
 from plait.models.config import ModelConfig
@@ -199,6 +200,9 @@ class ModelRunner:
                 if not args.disable_fused_silu:
                     self._fuse_gate_up_silu()
                 self._bf16_linears(args)
+            rows = set_fp32_amx_rows(args.cpu_amx_linear_rows)
+            if rows:
+                logger.info("fp32 linears of %d rows or more on AMX tiles", rows)
             start_linear_kernels()
             return
         if args.cpu_bf16_linear_rows:

@@ -18,7 +18,13 @@ ROWS = (0, 1, 2, 3, 4, 5, 7, 9, 12, 13, 25, 32, 33, 64, 65, 96, 127, 128, 131, 2
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
+    """The FMA kernels (the AMX path for many rows, which a model runner in this process may
+    have turned on, is tested in test_panel_linear_amx.py)."""
+    rows = woq._amx_rows
+    woq.set_fp32_amx_rows(0)
     assert woq.start_linear_kernels(block=True)
+    yield
+    woq.set_fp32_amx_rows(rows)
 
 
 # (inputs: whole blocks of 96 of the pairs' input blocks, a partial last block, one short block;
