@@ -69,6 +69,7 @@ REF = "plait (radix cache on)"
 PLAIT_ENGINES = (REF, "plait (radix cache off)")
 NO_SPEC = "plait (no n-gram speculation, radix cache on)"
 KV_BF16 = "plait (KV bf16, radix cache on)"  # --kv-cache-dtype bfloat16
+AMX = "plait (AMX linears, radix cache on)"  # --cpu-amx-linear-rows
 
 
 def quantized_name(q: str) -> str:
@@ -223,7 +224,7 @@ def plait_kv_tokens(model: str, kv_gib: float) -> int:
 
 def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = (),
                   kv_gib: float = 4, speculation_ab: bool = False, kv_bf16: bool = False,
-                  log_level: str = "warning") -> list:
+                  log_level: str = "warning", amx_rows: int = 0) -> list:
     from benchmarks import engine as be
 
     engines: list = []
@@ -239,6 +240,9 @@ def local_engines(model: str, which: set[str], quantizations: tuple[str, ...] = 
         if kv_bf16:  # the same number of KV tokens, in half the bytes
             engines.append(be.PlaitEngine(KV_BF16, model, max_total_tokens=kv_tokens,
                                           log_level=log_level, kv_cache_dtype="bfloat16"))
+        if amx_rows:  # fp32 linears of amx_rows rows or more on the AMX tiles
+            engines.append(be.PlaitEngine(AMX, model, max_total_tokens=kv_tokens,
+                                          log_level=log_level, cpu_amx_linear_rows=amx_rows))
         if speculation_ab:  # the default path without n-gram speculation, for the A/B
             engines.append(be.PlaitEngine(NO_SPEC, model, max_total_tokens=kv_tokens,
                                           log_level=log_level, speculative_ngram=0))
@@ -507,7 +511,7 @@ def offline_suite(model_name: str, model: str, names: list[str], args, meta: dic
     try:
         engines = local_engines(model, args.engine_set, args.plait_quantization,
                                 args.vllm_kv_gib, args.speculation_ab, args.plait_kv_bf16,
-                                args.plait_log_level)
+                                args.plait_log_level, args.plait_amx_rows)
         if "vllm" in args.engine_set and meta.get("vllm_setup_s") is not None:
             log(f"{model_name}: starting the vLLM worker (two engines)")
             try:
@@ -1071,6 +1075,9 @@ def main(argv=None) -> int:
                     "compared with llama.cpp on the quantized GGUF")
     ap.add_argument("--plait-kv-bf16", action="store_true",
                     help="also run plait with a bf16 KV cache (--kv-cache-dtype bfloat16)")
+    ap.add_argument("--plait-amx-rows", type=int, default=0,
+                    help="also run plait with its fp32 linears of at least N rows on the AMX "
+                    "tiles (--cpu-amx-linear-rows N; an AMX CPU)")
     ap.add_argument("--speculation-ab", action="store_true",
                     help="also run plait with --speculative-ngram 0 (speculation is on by "
                     "default for forwards of <= 8 rows)")
