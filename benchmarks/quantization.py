@@ -19,7 +19,8 @@ still reach it). --gemms, --isa avx2 runs the int8/int4 linears on the AVX2 buil
 
 Methods: none (fp32 on plait's panel kernels, the default), onednn (fp32 on oneDNN's prepacked
 weights, --disable-cpu-linear-kernel), bf16 (the layers' linears in bf16 on oneDNN,
---cpu-bf16-linear-rows 1; the logits fp32), int8, int4.
+--cpu-bf16-linear-rows 1; the logits fp32), amx (fp32 on the panel kernels' AMX path,
+--cpu-amx-linear-rows 1, the logits too; an AMX CPU), int8, int4.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def method_args(method: str, lm_head: bool) -> dict:
         return {"disable_cpu_linear_kernel": True}
     if method == "bf16":
         return {"cpu_bf16_linear_rows": 1}
+    if method == "amx":
+        return {"cpu_amx_linear_rows": 1}
     return {"quantization": method, "quantize_lm_head": lm_head}
 
 
@@ -53,7 +56,13 @@ def gemm_step(model: str, methods: list[str], batches: list[int], repeats: int,
     prepacked fp32 path unless `lm_head`."""
     import torch
 
-    from plait.kernels.woq import Int4Linear, Int8Linear, PanelLinear, start_linear_kernels
+    from plait.kernels.woq import (
+        Int4Linear,
+        Int8Linear,
+        PanelLinear,
+        set_fp32_amx_rows,
+        start_linear_kernels,
+    )
     from plait.runtime.cpu_tuning import pack_linear
 
     start_linear_kernels(block=True)
@@ -68,7 +77,9 @@ def gemm_step(model: str, methods: list[str], batches: list[int], repeats: int,
         lin.use_bf16_from(1)
         return lin
 
-    build = {"none": PanelLinear, "onednn": pack_linear, "bf16": bf16,
+    if "amx" in methods and not set_fp32_amx_rows(1):
+        raise SystemExit("--methods amx: this CPU (or process) has no AMX")
+    build = {"none": PanelLinear, "onednn": pack_linear, "bf16": bf16, "amx": PanelLinear,
              "int8": lambda w: Int8Linear(w, **kw), "int4": lambda w: Int4Linear(w, **kw)}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -80,13 +91,14 @@ def gemm_step(model: str, methods: list[str], batches: list[int], repeats: int,
                     mods[m].append(build[m](w))
         logits_w = torch.randn(cfg.vocab_size, h, generator=gen) * 0.02
         for m in methods:
-            fp32 = m if m in ("none", "onednn") else "none"  # (bf16: the logits stay fp32)
+            fp32 = m if m in ("none", "onednn", "amx") else "none"  # (bf16: the logits fp32)
             mods[m].append(build[m if lm_head else fp32](logits_w))
         for b in batches:
             xs = {k: torch.randn(b, k, generator=gen) for k in {k for _, k in shapes}}
             per: dict[str, list[float]] = {m: [] for m in methods}
             for r in range(repeats + 1):
                 for m, linears in mods.items():
+                    set_fp32_amx_rows(1 if m == "amx" else 0)  # (a setting of the kernels)
                     t = clock()
                     for lin in linears:
                         lin(xs[lin.in_features])

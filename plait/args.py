@@ -114,9 +114,10 @@ class ServerArgs:
         "none", "how /v1/chat/completions reads the calls of a model answering tool_choice "
         "'auto' (OpenAI's default with tools): 'hermes', the <tool_call>{\"name\": ..., "
         "\"arguments\": ...}</tool_call> blocks Qwen 2.5 and Hermes models write; 'llama3_json', "
-        "the {\"name\": ..., \"parameters\": ...} objects Llama 3.1-3.3 answer with (vLLM's "
-        "parsers of those names); 'none': 'auto' is a 400 ('required' and a named function need "
-        "no parser)", ("none", "hermes", "llama3_json"),
+        "the {\"name\": ..., \"parameters\": ...} objects Llama 3.1-3.3 answer with; "
+        "'pythonic', the [name(key=value, ...), ...] lists of Llama 3.2 and 4 (vLLM's parsers "
+        "of those names); 'none': 'auto' is a 400 ('required' and a named function need no "
+        "parser)", ("none", "hermes", "llama3_json", "pythonic"),
     )
     max_prompt_chars: int | None = _opt(
         None,

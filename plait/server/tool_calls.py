@@ -7,10 +7,11 @@ call's arguments), "required"'s a JSON array of one or more {"name", "parameters
 (at most one with `parallel_tool_calls: false`). The answer comes back as
 `message.tool_calls`. "none" answers in text. "auto", OpenAI's default when tools are given,
 lets the model choose between text and a call in its own tool-call format: served with
-`--tool-call-parser hermes` (the <tool_call> blocks of Qwen 2.5 and Hermes models) or
-`llama3_json` (Llama 3.1-3.3's JSON calls), else refused by name rather than answered in text
-that ignores the tools; with xgrammar, a structural tag (call_tag) holds each call the model
-starts to one of the tools and its schema, the rest of the answer free.
+`--tool-call-parser hermes` (the <tool_call> blocks of Qwen 2.5 and Hermes models),
+`llama3_json` (Llama 3.1-3.3's JSON calls) or `pythonic` (Llama 3.2's and 4's Python lists of
+calls), else refused by name rather than answered in text that ignores the tools; with
+xgrammar, a structural tag (call_tag) holds each JSON call the model starts to one of the
+tools and its schema, the rest of the answer free (pythonic calls are read as written).
 
 The tools are passed to the chat template (`tools`), as transformers and vLLM pass them; a
 template that does not mention them (SmolLM2's) leaves them out of the prompt, and the grammar
@@ -19,9 +20,11 @@ still holds the answer to their schemas.
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import json
+import math
 import re
 import uuid
 from typing import Any, Literal
@@ -109,7 +112,7 @@ class ToolPlan:
         calls = self.calls(text)
         return (None, calls) if calls else (text, None)
 
-    def reader(self) -> HermesReader | JsonCallsReader:
+    def reader(self) -> HermesReader | JsonCallsReader | PythonicReader:
         """A new reader of the parser's calls."""
         return PARSERS[self.parser]()
 
@@ -366,8 +369,156 @@ def _object_arguments(text: str, c: ScannedCall, end: int) -> str:
     return text[c.start:end].rstrip() if c.end is None else text[c.start:c.end]
 
 
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+_PY_NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*\(")
+_PY_OPEN = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_.-]*\s*\(")  # a call list's start
+_PY_LITERAL_NAMES = {"true": True, "false": False, "null": None}  # JSON's, written by models
+
+
+class PythonicReader:
+    """The calls of an answer that is a Python list of calls (vLLM's pythonic parser's
+    format, Llama 3.2's and Llama 4's): `[get_weather(city="Paris", days=3), ping()]`, after
+    optional space and `<|python_start|>` (there when special tokens are kept); keyword
+    arguments with literal values (strings, numbers, True/False/None, lists, dicts, tuples),
+    each call's arguments the JSON object of its keywords. An answer is a call list when it
+    starts (past that) with `[`, a name and `(`; any other answer is text. Its calls are the
+    leading ones that are whole and well-formed: reading stops at a call with positional or
+    non-literal arguments, and at one cut short (a call's arguments are not JSON until its
+    `)`, so calls go out whole, one at a time; a stream's calls still only grow by appending
+    and end as the whole answer's). Text after the list is not content (vLLM's reads the
+    whole answer as the list). Incremental: each character is scanned once."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None  # where the call list starts (the `[`, or the tag)
+        self._text = False  # the answer is text
+        self._calls: list[tuple[str, str]] = []
+        self._pos = 0  # where the next call (or the list's end) is read from
+        self._done = False  # the list ended, or a call that is not one stopped the reading
+        # the call being scanned: its `(` at _open; bracket depth, string state
+        self._open: int | None = None
+        self._scan, self._depth, self._quote, self._escaped = 0, 0, "", False
+
+    def read(self, text: str, final: bool) -> list[tuple[str, str]]:
+        """(name, arguments) of the whole calls in `text` so far."""
+        if self.first is None and not self._text:
+            self._decide(text, final)
+        while self.first is not None and not self._done:
+            if self._open is None:  # the next call's name and `(`, or the list's end
+                i = _space_end(text, self._pos)
+                if i < len(text) and text[i] == "]":
+                    self._done = True
+                    break
+                if i < len(text) and text[i] == "," and self._calls:
+                    i = _space_end(text, i + 1)
+                m = _PY_NAME.match(text, i)
+                if m is None:
+                    if i < len(text) and not re.fullmatch(r"[A-Za-z0-9_.-]*\s*", text[i:]):
+                        self._done = True  # not a call: the calls end here
+                    break
+                self._pos, self._open = i, m.end() - 1
+                self._scan, self._depth, self._quote = m.end(), 1, ""
+            end = self._scan_call(text)
+            if end is None:
+                break
+            call = _python_call(text[self._pos:end])
+            if call is None:
+                self._done = True
+                break
+            self._calls.append(call)
+            self._pos, self._open = end, None
+        return list(self._calls)
+
+    def _decide(self, text: str, final: bool) -> None:
+        """Whether the answer is a call list, once its start tells."""
+        start = _space_end(text, 0)
+        begin = start
+        if text.startswith(PYTHON_START, start):
+            begin = _space_end(text, start + len(PYTHON_START))
+        elif PYTHON_START.startswith(text[start:]) and not final:
+            return  # space so far, or what may be the tag
+        if _PY_OPEN.match(text, begin):
+            self.first, self._pos = start, begin + 1
+        elif final or not re.fullmatch(r"\[?\s*(?:[A-Za-z_][A-Za-z0-9_.-]*\s*)?", text[begin:]):
+            self._text = True
+
+    def _scan_call(self, text: str) -> int | None:
+        """The end of the call whose `(` is at _open (past its `)`), or None while unfinished."""
+        i = self._scan
+        while i < len(text):
+            ch = text[i]
+            if self._quote:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == self._quote:
+                    self._quote = ""
+            elif ch in "\"'":
+                self._quote = ch
+            elif ch in "([{":
+                self._depth += 1
+            elif ch in ")]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._scan = i + 1
+                    return i + 1
+            i += 1
+        self._scan = i
+        return None
+
+    def content_end(self, text: str) -> int:
+        """How much of the text may go out as content: none until it is known to be text."""
+        return len(text) if self._text else 0
+
+
+def _python_call(source: str) -> tuple[str, str] | None:
+    """(name, JSON arguments) of one `name(key=literal, ...)`; None if it is not one."""
+    m = _PY_NAME.match(source)
+    if m is None:
+        return None
+    try:  # (parsed, never run; a model's deep nesting is a RecursionError)
+        node = ast.parse("_f(" + source[m.end():], mode="eval").body
+        if not isinstance(node, ast.Call) or node.args:
+            return None
+        arguments = {}
+        for kw in node.keywords:
+            if kw.arg is None:  # **kwargs
+                return None
+            arguments[kw.arg] = _python_literal(kw.value)
+        return m.group(1), json.dumps(arguments, ensure_ascii=False)
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
+
+
+def _python_literal(node: ast.AST) -> Any:
+    """A literal's value (ast.literal_eval's, tuples as lists, and JSON's true/false/null
+    names, which models write too); ValueError for anything else."""
+    if isinstance(node, ast.Name) and node.id in _PY_LITERAL_NAMES:
+        return _PY_LITERAL_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_python_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_key(_python_literal(k)): _python_literal(v)
+                for k, v in zip(node.keys, node.values)}
+    value = ast.literal_eval(node)
+    if isinstance(value, (set, bytes, complex)) or (
+            isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError("not JSON")
+    return value
+
+
+def _key(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float, bool)) or value is None:
+        return json.dumps(value)
+    raise ValueError("a dict key that JSON cannot hold")
+
+
 # --tool-call-parser: the readers of the models' own formats, by vLLM's parser names
-PARSERS = {"hermes": HermesReader, "llama3_json": JsonCallsReader}
+PARSERS = {"hermes": HermesReader, "llama3_json": JsonCallsReader, "pythonic": PythonicReader}
 
 
 class ParsedCallStreamer:
@@ -464,13 +615,15 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_call
     if choice is None or choice == "auto":
         if parser in PARSERS:  # the model's own answer, read for calls
             one_call = parallel_tool_calls is False
-            tag = (call_tag(parser, tools, one_call)
-                   if structural_tags and other_constraint is None else None)
+            tag = (call_tag(parser, tools, one_call)  # (pythonic: Python, not JSON, calls)
+                   if structural_tags and other_constraint is None and parser in _CALL_FORMATS
+                   else None)
             return ToolPlan(None, None, parser, one_call, tag)
         raise RequestError("tool_choice", "'auto' (the default with tools) lets the model answer "
                            "in its own tool-call format, which this server does not parse "
                            "(start it with --tool-call-parser hermes for <tool_call> blocks, "
-                           "or llama3_json for Llama 3's JSON calls); "
+                           "llama3_json for Llama 3's JSON calls, or pythonic for Llama 3.2's "
+                           "and 4's [name(key=value)] lists); "
                            "use 'required', a named function ({'type': 'function', 'function': "
                            "{'name': ...}}) or 'none'")
     if choice == "none":

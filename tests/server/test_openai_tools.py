@@ -314,6 +314,24 @@ LLAMA_ANSWERS = [
 ]
 
 
+PYTHONIC_ANSWERS = [
+    '[get_weather(city="Paris", unit="celsius")]',
+    ' <|python_start|>[ping(), get-time(zone=\'UTC\'), s(q="a )] b", d={"k": [1, (2, 3)]})]'
+    '<|python_end|>',
+    '[f(x=1, y=None, z=True), g(flag=false, n=null)]',  # JSON's names too
+    "[f(x=1), g(2), h()]",  # a positional argument ends the calls
+    "[f(x=1), g(y=[1,",  # cut inside the second
+    "[f(x=print(1))]",  # not a literal: no call, text
+    "Call [f(x=1)] like this.",  # text first: text
+    "[1, 2, 3]",
+    "[note] this",
+    "[f",
+    "<|python_start|>",
+    "<|python",
+    "   ",
+]
+
+
 def _stream_parsed(plan, text, steps):
     """ParsedCallStreamer fed growing prefixes of text (ends in `steps`): the streamed
     content, the calls put together, and whether it said it had calls."""
@@ -328,7 +346,8 @@ def _stream_parsed(plan, text, steps):
 
 
 @pytest.mark.parametrize("parser, text", [("hermes", t) for t in HERMES_ANSWERS]
-                         + [("llama3_json", t) for t in LLAMA_ANSWERS])
+                         + [("llama3_json", t) for t in LLAMA_ANSWERS]
+                         + [("pythonic", t) for t in PYTHONIC_ANSWERS])
 @pytest.mark.parametrize("one_call", [False, True])
 def test_parsed_answers_stream_piece_by_piece_to_the_whole_answer(parser, text, one_call):
     """ParsedCallStreamer fed the text a character at a time: content, then each call's name
@@ -347,7 +366,9 @@ def test_parsed_answers_stream_piece_by_piece_to_the_whole_answer(parser, text, 
 
 @pytest.mark.parametrize("parser, extra", [
     ("hermes", ["<tool_call>", "</tool_call>", "<tool_", "</tool"]),
-    ("llama3_json", ["<|python_tag|>", "<|py", ";", "{"])])
+    ("llama3_json", ["<|python_tag|>", "<|py", ";", "{"]),
+    ("pythonic", ["<|python_start|>", "[f(", "g(x=", "h()", "(", ")", "=", "'", "None", "2.5",
+                  "[ping(a='x)', b=[1, (2,)])"])])
 def test_parsed_streams_equal_whole_answers_on_random_texts(parser, extra):
     """Random texts of tag, JSON and stray pieces, streamed in random steps: the streamed
     content and calls are the whole answer's every time (and nothing raises)."""
@@ -429,6 +450,34 @@ def test_llama3_json_calls_are_read_with_their_arguments():
     assert read(LLAMA_ANSWERS[5]) == (None, [("get_weather", '{"ci')])
 
 
+def test_pythonic_calls_are_read_as_json_arguments():
+    """Keyword literals become the JSON arguments (tuples as lists, None/True/False and JSON's
+    null/true/false names alike); the calls end at the first call that is not whole and
+    well-formed; an answer that does not start with `[name(` is text."""
+    from plait.server.tool_calls import ToolPlan
+
+    def read(text, one_call=False):
+        content, calls = ToolPlan(None, None, "pythonic", one_call=one_call).answer(text)
+        return content, [(c["function"]["name"], c["function"]["arguments"])
+                         for c in calls or []]
+
+    assert read(PYTHONIC_ANSWERS[0]) == (None, [
+        ("get_weather", '{"city": "Paris", "unit": "celsius"}')])
+    assert read(PYTHONIC_ANSWERS[1]) == (None, [
+        ("ping", "{}"), ("get-time", '{"zone": "UTC"}'),
+        ("s", '{"q": "a )] b", "d": {"k": [1, [2, 3]]}}')])
+    assert read(PYTHONIC_ANSWERS[1], one_call=True) == (None, [("ping", "{}")])
+    assert read(PYTHONIC_ANSWERS[2]) == (None, [
+        ("f", '{"x": 1, "y": null, "z": true}'), ("g", '{"flag": false, "n": null}')])
+    assert read(PYTHONIC_ANSWERS[3]) == (None, [("f", '{"x": 1}')])
+    assert read(PYTHONIC_ANSWERS[4]) == (None, [("f", '{"x": 1}')])
+    for text in PYTHONIC_ANSWERS[5:]:
+        assert read(text) == (text, [])
+    for bad in ("[f(x=1e400)]", "[f(x={1, 2})]", "[f(**k)]", "[f(x=b'1')]",
+                "[f(x=" + "[" * 5000 + "]" * 5000 + ")]"):
+        assert read(bad) == (bad, []), bad  # no JSON for them: no call
+
+
 def _parser_client(model: str, parser: str):
     """An OpenAI client of a server started with --tool-call-parser `parser` (a generator:
     the server stops after the module's tests)."""
@@ -507,6 +556,42 @@ def test_auto_reads_the_models_llama3_json_calls(llama_client):
     (choice,) = llama_client.chat.completions.create(**kwargs).choices
     assert choice.message.tool_calls is None and choice.message.content.startswith("It is sunny")
     assert _stream(llama_client, **kwargs) == (choice.message.content, [], [choice.finish_reason])
+
+
+@pytest.fixture(scope="module")
+def pythonic_client(tiny_llama):
+    yield from _parser_client(tiny_llama, "pythonic")
+
+
+def test_auto_reads_the_models_pythonic_calls(pythonic_client):
+    """--tool-call-parser pythonic: a [name(key=value)] list is the calls (the random test
+    model held to one by a regex; no structural tag: its calls are not JSON), streamed or
+    whole alike; a text answer is content."""
+    import re
+
+    answer = '[get_weather(city="Paris", unit="celsius"), ping()]'
+    regex = re.escape(answer).replace("Paris", "(Paris|Lyon)")
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME, NO_PARAMETERS],
+              "max_tokens": 200, "temperature": 0, "extra_body": {"regex": regex}}
+    (choice,) = pythonic_client.chat.completions.create(**kwargs).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "ping"]
+    for call in choice.message.tool_calls:
+        check_call(call)
+    assert _stream(pythonic_client, **kwargs) == (
+        "", [(c.function.name, c.function.arguments) for c in choice.message.tool_calls],
+        ["tool_calls"])
+    kwargs["extra_body"] = {"regex": "It is sunny in (Paris|Lyon)\\."}
+    (choice,) = pythonic_client.chat.completions.create(**kwargs).choices
+    assert choice.message.tool_calls is None and choice.message.content.startswith("It is sunny")
+    assert _stream(pythonic_client, **kwargs) == (
+        choice.message.content, [], [choice.finish_reason])
+    del kwargs["extra_body"]  # no other constraint: still no structural tag (nothing compiled)
+    info = httpx.get(str(pythonic_client.base_url).removesuffix("/v1/") + "/get_server_info")
+    before = info.json()["grammar"].get("cache_misses", 0)
+    pythonic_client.chat.completions.create(**{**kwargs, "max_tokens": 4})
+    info = httpx.get(str(pythonic_client.base_url).removesuffix("/v1/") + "/get_server_info")
+    assert info.json()["grammar"].get("cache_misses", 0) == before
 
 
 def test_auto_holds_the_models_calls_to_the_tools(hermes_client):
