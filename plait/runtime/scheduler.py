@@ -50,6 +50,11 @@ from plait.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 TOKENIZER_IDLE_S = 0.5  # idle this long before a DeferredTokenizer starts loading
+# with nothing to run but grammars compiling, the loop waits on its socket this long between
+# checks of the compiles (a message still wakes it at once): polling without a wait held the
+# GIL from the compile threads, and the first constrained request on a fresh server (whose
+# thread imports xgrammar, ~3.4 s alone) took 35-44 s
+GRAMMAR_WAIT_S = 0.005
 
 
 class SchedulerIO(Protocol):
@@ -153,7 +158,11 @@ class Scheduler:
             idle = not self.has_work and not self.constraints.pending
             if self._tokenizer_to_start is not None:
                 self._start_tokenizer_when_idle(idle)
-            msgs = self.io.recv(idle_wait_s if idle else 0.0)
+            if idle:
+                wait = idle_wait_s
+            else:  # only compiles in flight: wait on the socket, not in a Python spin
+                wait = min(idle_wait_s, GRAMMAR_WAIT_S) if not self.has_work else 0.0
+            msgs = self.io.recv(wait)
         for msg in msgs:
             self._dispatch(msg)
         with self.timer("grammar"):

@@ -223,3 +223,30 @@ def test_deferred_tokenizer_loads_once_the_loop_is_idle(tiny_llama, monkeypatch)
         time.sleep(0.001)
     assert not any(isinstance(m, RequestErrorOut) for m in io.outbox)
     assert "json" in outputs(io) and tok._future is not None
+
+
+def test_the_loop_waits_on_its_socket_while_only_grammars_compile(make_scheduler, monkeypatch):
+    """With nothing to run but a grammar compiling, the loop waits on its socket for
+    GRAMMAR_WAIT_S between checks (polling without a wait held the GIL from the compile
+    threads: the first constrained request of a fresh server took 35-44 s, importing xgrammar
+    beside the spin); with requests to run it does not wait."""
+    from plait.runtime import scheduler as scheduler_module
+
+    s, io = make_scheduler()
+    waits: list[float] = []
+    recv = io.recv
+    monkeypatch.setattr(io, "recv", lambda timeout_s: waits.append(timeout_s) or recv(timeout_s))
+    submit(io, "json", [5, 6, 7], max_new_tokens=4, json_object=True)
+    s.step(idle_wait_s=0.05)  # takes the request: its grammar starts compiling
+    assert s.constraints.pending
+    s.step(idle_wait_s=0.05)
+    assert waits[-1] == scheduler_module.GRAMMAR_WAIT_S
+    submit(io, "plain", [5, 6, 7], max_new_tokens=4)
+    for _ in range(200):
+        if not s.constraints.pending and not s.has_work:
+            break
+        busy = s.has_work
+        s.step(idle_wait_s=0.05)
+        if busy:
+            assert waits[-1] == 0.0
+    assert "json" in outputs(io) and "plain" in outputs(io)
