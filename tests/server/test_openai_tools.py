@@ -316,8 +316,8 @@ LLAMA_ANSWERS = [
 
 PYTHONIC_ANSWERS = [
     '[get_weather(city="Paris", unit="celsius")]',
-    ' <|python_start|>[ping(), get-time(zone=\'UTC\'), s(q="a )] b", d={"k": [1, (2, 3)]})]'
-    '<|python_end|>',
+    (' <|python_start|>[ping(), get-time(zone=\'UTC\'), s(q="a )] b", d={"k": [1, (2, 3)]})]'
+     '<|python_end|>'),
     '[f(x=1, y=None, z=True), g(flag=false, n=null)]',  # JSON's names too
     "[f(x=1), g(2), h()]",  # a positional argument ends the calls
     "[f(x=1), g(y=[1,",  # cut inside the second
