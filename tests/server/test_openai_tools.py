@@ -534,28 +534,35 @@ def llama_client(tiny_llama):
     yield from _parser_client(tiny_llama, "llama3_json")
 
 
-def test_auto_reads_the_models_llama3_json_calls(llama_client):
-    """--tool-call-parser llama3_json: the answer's JSON objects are the calls (the random
-    test model held to them by a regex), streamed or whole alike; a text answer is content."""
+def _check_parsed_calls(client, answer: str, names: list[str]) -> None:
+    """A parser's server: the random test model held to `answer` by a regex (a choice inside
+    its first call) gives `names`' calls, whole and streamed alike; held to a sentence, it
+    answers in content."""
     import re
 
-    answer = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
-              '"celsius"}}; {"name": "ping", "parameters": {}}')
     regex = re.escape(answer).replace("Paris", "(Paris|Lyon)")
     kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME, NO_PARAMETERS],
               "max_tokens": 200, "temperature": 0, "extra_body": {"regex": regex}}
-    (choice,) = llama_client.chat.completions.create(**kwargs).choices
+    (choice,) = client.chat.completions.create(**kwargs).choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "ping"]
+    assert [c.function.name for c in choice.message.tool_calls] == names
     for call in choice.message.tool_calls:
         check_call(call)
-    assert _stream(llama_client, **kwargs) == (
+    assert _stream(client, **kwargs) == (
         "", [(c.function.name, c.function.arguments) for c in choice.message.tool_calls],
         ["tool_calls"])
     kwargs["extra_body"] = {"regex": "It is sunny in (Paris|Lyon)\\."}
-    (choice,) = llama_client.chat.completions.create(**kwargs).choices
+    (choice,) = client.chat.completions.create(**kwargs).choices
     assert choice.message.tool_calls is None and choice.message.content.startswith("It is sunny")
-    assert _stream(llama_client, **kwargs) == (choice.message.content, [], [choice.finish_reason])
+    assert _stream(client, **kwargs) == (choice.message.content, [], [choice.finish_reason])
+
+
+def test_auto_reads_the_models_llama3_json_calls(llama_client):
+    """--tool-call-parser llama3_json: the answer's JSON objects are the calls, streamed or
+    whole alike; a text answer is content."""
+    _check_parsed_calls(llama_client, (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+        '"celsius"}}; {"name": "ping", "parameters": {}}'), ["get_weather", "ping"])
 
 
 @pytest.fixture(scope="module")
@@ -564,29 +571,13 @@ def pythonic_client(tiny_llama):
 
 
 def test_auto_reads_the_models_pythonic_calls(pythonic_client):
-    """--tool-call-parser pythonic: a [name(key=value)] list is the calls (the random test
-    model held to one by a regex; no structural tag: its calls are not JSON), streamed or
-    whole alike; a text answer is content."""
-    import re
-
-    answer = '[get_weather(city="Paris", unit="celsius"), ping()]'
-    regex = re.escape(answer).replace("Paris", "(Paris|Lyon)")
-    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME, NO_PARAMETERS],
-              "max_tokens": 200, "temperature": 0, "extra_body": {"regex": regex}}
-    (choice,) = pythonic_client.chat.completions.create(**kwargs).choices
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "ping"]
-    for call in choice.message.tool_calls:
-        check_call(call)
-    assert _stream(pythonic_client, **kwargs) == (
-        "", [(c.function.name, c.function.arguments) for c in choice.message.tool_calls],
-        ["tool_calls"])
-    kwargs["extra_body"] = {"regex": "It is sunny in (Paris|Lyon)\\."}
-    (choice,) = pythonic_client.chat.completions.create(**kwargs).choices
-    assert choice.message.tool_calls is None and choice.message.content.startswith("It is sunny")
-    assert _stream(pythonic_client, **kwargs) == (
-        choice.message.content, [], [choice.finish_reason])
-    del kwargs["extra_body"]  # no other constraint: still no structural tag (nothing compiled)
+    """--tool-call-parser pythonic: a [name(key=value)] list is the calls, streamed or whole
+    alike; a text answer is content; no structural tag (its calls are not JSON)."""
+    _check_parsed_calls(pythonic_client, '[get_weather(city="Paris", unit="celsius"), ping()]',
+                        ["get_weather", "ping"])
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER, TIME],
+              "temperature": 0}
+    # no other constraint: still no structural tag (nothing compiled)
     info = httpx.get(str(pythonic_client.base_url).removesuffix("/v1/") + "/get_server_info")
     before = info.json()["grammar"].get("cache_misses", 0)
     pythonic_client.chat.completions.create(**{**kwargs, "max_tokens": 4})
