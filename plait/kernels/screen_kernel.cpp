@@ -56,7 +56,9 @@ void configure_tiles(int rows0, int rows1) {
   for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   cfg.rows[0] = cfg.rows[4] = cfg.rows[5] = rows0;
   cfg.rows[1] = cfg.rows[6] = cfg.rows[7] = rows1;
-  _tile_loadconfig(&cfg);
+  // (GCC 12's _tile_loadconfig declares an 8-byte operand, so the compiler may drop the stores
+  // above: woq_cpu.cpp's AMX config lost them; here they happened to stay)
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 // rows [r0, r0 + rows) (rows <= 32; x holds as many rows as the tiles are configured for) of

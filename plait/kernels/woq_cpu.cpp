@@ -1044,9 +1044,11 @@ void panel_pair_blocks_quantized(const float* x, int64_t K, const Weights& wa,
 // x1 w1 + x1 w2 + x2 w1 + x1 w3 + x2 w2 + x3 w1 (each bf16 x bf16 product is exact in fp32;
 // the three dropped, x2 w3 + x3 w2 + x3 w3, are below 2^-24 of x w, fp32's own rounding of a
 // product). The tile units accumulate in fp32; measured against float64 the results' error is
-// about half the FMA panels' (tests/kernels/test_woq_amx.py). Six tile products cost less than
-// the FMA chain from about 16-32 rows on (AMX's 512 bf16 multiply-adds a cycle against
-// AVX-512's 32 fp32 ones), so plait runs those linears here (g_amx_rows, woq.py).
+// about half the FMA panels' (tests/runtime/test_panel_linear_amx.py). AMX does 512 bf16
+// multiply-adds a cycle against AVX-512's 32 fp32 ones, but the six products, the weights'
+// split per call and a tile unit shared between two vCPUs left it 0.5-1.06x the FMA kernels on
+// the project's VM (README), so it runs only where asked (g_amx_rows, woq.py's
+// set_fp32_amx_rows, --cpu-amx-linear-rows).
 //
 // Per call the rows are split once into three pieces laid out as 1 KB A tiles ([row tile]
 // [32-input block][16 rows][32 inputs], zero-padded); per work item (a chunk of up to
