@@ -25,7 +25,10 @@ from pathlib import Path
 import torch
 
 
-def split(model: str, batch: int, context: int, steps: int, quantization: str) -> dict:
+def decoding(model: str, batch: int, context: int, steps: int, quantization: str = "none"):
+    """An in-process scheduler with `batch` requests of `context - 1` random prompt tokens
+    decoding together (room for `steps` more steps), warmed; returns it and its C++ layer loop
+    (fused_cpu.cpp's DecodeLayers)."""
     from benchmarks.engine import build_cpu_kernels
     from benchmarks.profile_steps import InProcess
 
@@ -39,10 +42,16 @@ def split(model: str, batch: int, context: int, steps: int, quantization: str) -
     ip.step_until(lambda: ip.all_running(batch))
     for _ in range(4):  # warm: the C++ loop is built on the first plain decode forward
         ip.sched.step()
-    runner = ip.sched.runner
-    decoder = runner.model._decoder[1] if runner.model._decoder is not None else None
+    model_ = ip.sched.runner.model
+    decoder = model_._decoder[1] if model_._decoder is not None else None
     if decoder is None:
         raise RuntimeError("the decode steps did not run the C++ layer loop (DecodeLayers)")
+    return ip, decoder
+
+
+def split(model: str, batch: int, context: int, steps: int, quantization: str) -> dict:
+    ip, decoder = decoding(model, batch, context, steps, quantization)
+    runner = ip.sched.runner
     clock = time.perf_counter
     spent = {"forward": 0.0, "logits": 0.0}
 
