@@ -16,8 +16,9 @@ in-process scheduler) three ways, alternated `repeats` times:
   in turn     the two halves one after the other on every thread
 The outputs of the split runs are checked to equal the whole batch's bit for bit (from 3 rows
 on, a row's arithmetic in the panel linears and the attention does not depend on its batch; 1-
-and 2-row linears sum in another order, hence halves of 3 rows or more: --batch >= 6). Prints the medians; session 37 on the Intel Xeon
-model-207 VM, SmolLM2 at batch 32: side by side 0.88x the whole batch (76.2 vs 67.4 ms).
+and 2-row linears sum in another order, hence halves of 3 rows or more: --batch >= 6). Prints
+the medians; session 37 on the Intel Xeon model-207 VM, SmolLM2 at batch 32: side by side 0.86x
+the whole batch (78.08 vs 67.44 ms; benchmarks/results/batch-split-smollm2-xeon207-s37.json).
 """
 
 from __future__ import annotations
