@@ -19,13 +19,14 @@ from plait.runtime.core import ClosingPlan, Req, RequestFailed
 JF_HOLD_BACK = 3
 # start planning a closing once this few output tokens remain
 CLOSE_WINDOW = 48
-# tokens the closing planner may force early: free generation must not outgrow the plan
-CLOSE_MARGIN = 3
 # grammar-state expansions one closing search may use
 CLOSE_SEARCH_NODES = 600
-# re-plan when the last plan plus this slack no longer fits, or after this many steps
+# plan at every step once the last plan plus this slack no longer fits (a token may lengthen
+# the closing by a few: `, "` opens a key that needs a value), else every this many steps
 CLOSE_RECHECK_SLACK = 4
 CLOSE_RECHECK_EVERY = 8
+# a closing is searched this many tokens past the budget: its canonical tokens may be fewer
+CLOSE_RESPELL_SLACK = 3
 # iterative deepening (shortest plan) up to this depth, then one depth-first search
 CLOSE_SHORTEST_DEPTH = 6
 # forced texts whose tokenization is kept (a schema's keys and punctuation: a handful of
@@ -50,6 +51,14 @@ def utf8_missing_bytes(text: bytes) -> int:
             width = 2 if c < 0xE0 else 3 if c < 0xF0 else 4
             return max(0, width - back)
     return 0
+
+
+def _accepts(m, token: int) -> bool:
+    """Matcher m takes `token` next (m is left unchanged)."""
+    if m.accept_token(token):
+        m.rollback(1)
+        return True
+    return False
 
 
 def _accept_prefix(m, tokens: list[int]) -> int:
@@ -81,6 +90,7 @@ class ConstraintTracker:
         self._pending: list[tuple[Req, Any]] = []
         self._closers: list[int] | None = None
         self._quotes: list[int] | None = None
+        self._free_text: list[int] | None = None
         self._spelled = None
         self._spelling_thread: threading.Thread | None = None
         self._mask_scratch: torch.Tensor | None = None  # one row, for _extension_allowed
@@ -278,52 +288,139 @@ class ConstraintTracker:
         return self._spelled
 
     # ------------------------------------------------------------------ budget
-    def closing(self, req: Req) -> list[int]:
-        """Near max_new_tokens, the shortest token sequence (ending in EOS) that completes
-        the constraint, once it no longer fits with room to spare; else []. Forcing it keeps
-        JSON parseable when the budget runs out (finish_reason "stop", not a truncation).
-        Planning is a grammar search, so it runs only when the last plan's length says the
-        budget is getting tight (or every few steps), not at every token."""
+    # Near max_new_tokens a constrained output must still end whole (JSON that parses,
+    # finish_reason "stop", not a truncation). The model keeps every token that leaves a
+    # closing (the shortest token sequence that completes the constraint, then EOS) that
+    # fits the budget after it; the first sampled token that leaves none is replaced by the
+    # closing planned before it. So an answer that fits is never cut short (a fixed margin
+    # forced closings a few tokens early: `1000400]` for the model's `10004000]`), and one
+    # that does not fit still ends whole. Planning is a grammar search: it runs once a step
+    # only while the budget is tight, and now and then before.
+
+    def plan_closing(self, req: Req) -> None:
+        """After an output token: (re)plan req's closing when the budget is getting tight by
+        the last plan's length, or every few steps inside the window; kept in
+        req.closing_plan for admit()."""
         m, remaining = req.grammar, req.remaining_new_tokens
         if m is None or m.is_terminated() or remaining > CLOSE_WINDOW or not self.eos_ids:
-            return []
+            return
         if m.can_terminate():  # what is written is whole: a cut there leaves it valid (a
-            return []  # structural tag's free text, a finished regex); nothing to close
-        last_len, last_at = req.closing_plan  # last_len -1: no plan was found then
-        tight = last_len is not None and remaining <= last_len + 1 + CLOSE_MARGIN + CLOSE_RECHECK_SLACK
+            return  # structural tag's free text, a finished regex); nothing to close
+        if self.current_plan(req) is not None:
+            return  # admit() planned from this very point (or its plan's forced text came)
+        last_len, last_at = req.closing_plan.length, req.closing_plan.remaining_then
+        tight = last_len is not None and remaining <= last_len + 1 + CLOSE_RECHECK_SLACK
         if last_len is not None and not tight and last_at - remaining < CLOSE_RECHECK_EVERY:
-            return []
-        # the shortest-first pass only pays when the last plan was short
-        shortest = not last_len or last_len <= CLOSE_SHORTEST_DEPTH
-        plan = self._plan_after(req, remaining - 1, shortest)
-        req.closing_plan = ClosingPlan(len(plan) if plan is not None else -1, remaining)
-        if plan is None or len(plan) + 1 + CLOSE_MARGIN < remaining:
-            return []
+            return
+        plan = self._plan_after(req, remaining - 1, self._shortest_first(req))
+        self._keep_plan(req, plan, len(req.output_ids), remaining)
+
+    def admit(self, req: Req, token: int) -> list[int] | None:
+        """Before a sampled token is emitted: None to keep it, or the tokens to emit in its
+        place (the closing planned before it, then EOS) when it would leave no closing that
+        fits the budget. While the budget is tight this plans from after the token (one
+        grammar search a step), which is then the plan for the next token."""
+        m = req.grammar
+        if m is None or token in self.eos_ids:
+            return None
+        plan = self.current_plan(req)
+        remaining = req.remaining_new_tokens  # before the token
+        if plan is None or len(plan) + 1 > remaining:
+            return None  # no plan for this point, or none fits (it was planned too late)
+        if len(plan) + 1 + CLOSE_RECHECK_SLACK < remaining:
+            return None  # room to spare: plan_closing re-plans when it runs short
+        if not m.accept_token(token):
+            return None  # (the emit reports the grammar's refusal)
+        try:
+            if m.is_terminated():
+                return None
+            ids = req.output_ids + [token]
+            after = self._plan_after(req, remaining - 2, self._shortest_first(req), ids)
+        finally:
+            m.rollback(1)
+        if after is not None:
+            self._keep_plan(req, after, len(ids), remaining - 1)
+            return None
         return plan + [self._accepted_eos(m, plan)]
 
-    def _plan_after(self, req: Req, max_len: int, shortest: bool) -> list[int] | None:
-        """_plan_closing from the end of req's output. An output that ends inside a UTF-8
-        character (a byte-level token of its first bytes) completes it first: until then the
-        grammar takes only continuation bytes, no quote and no closer, and a plan searched from
-        there found nothing, so a string cut mid-character ran to the budget unclosed."""
+    def current_plan(self, req: Req) -> list[int] | None:
+        """The rest of req's last plan from the end of its output: the plan was made there, or
+        the tokens output since are its first ones (jump-forward forces the same text); else
+        None."""
+        cp = req.closing_plan
+        if cp.tokens is None:
+            return None
+        k = len(req.output_ids) - cp.at
+        if k < 0 or k > len(cp.tokens) or tuple(req.output_ids[cp.at:]) != cp.tokens[:k]:
+            return None
+        return list(cp.tokens[k:])
+
+    def _keep_plan(self, req: Req, plan: list[int] | None, at: int, remaining: int) -> None:
+        req.closing_plan = ClosingPlan(
+            len(plan) if plan is not None else -1, remaining,
+            tuple(plan) if plan is not None else None, at)
+
+    @staticmethod
+    def _shortest_first(req: Req) -> bool:
+        """The shortest-first pass only pays when the last plan was short."""
+        last_len = req.closing_plan.length
+        return not last_len or last_len <= CLOSE_SHORTEST_DEPTH
+
+    def _plan_after(self, req: Req, max_len: int, shortest: bool,
+                    ids: list[int] | None = None) -> list[int] | None:
+        """_plan_closing from req's matcher, whose output so far is `ids` (req.output_ids by
+        default). An output that ends inside a UTF-8 character (a byte-level token of its
+        first bytes) completes it first: until then the grammar takes only continuation bytes,
+        no quote and no closer, and a plan searched from there found nothing, so a string cut
+        mid-character ran to the budget unclosed."""
         m = req.grammar
-        head = self._complete_character(req)
+        if max_len < 0:
+            return None
+        head = self._complete_character(m, req.output_ids if ids is None else ids)
         if head is None:
             return None
         try:
-            fits = len(head) <= max_len
-            plan = self._plan_closing(m, max_len - len(head), shortest) if fits else None
+            plan = None
+            # searched a few tokens deeper first: respelled, a plan may come out shorter
+            for depth in (max_len - len(head) + CLOSE_RESPELL_SLACK, max_len - len(head)):
+                if depth >= 0:
+                    plan = self._plan_closing(m, depth, shortest)
+                if plan is not None:
+                    plan = self._respelled(m, plan)
+                    if len(head) + len(plan) <= max_len:
+                        break
+                    plan = None
         finally:
             m.rollback(len(head))
         return None if plan is None else head + plan
 
-    def _complete_character(self, req: Req) -> list[int] | None:
+    def _respelled(self, m, plan: list[int]) -> list[int]:
+        """The plan's text in its canonical tokens when they are fewer and matcher m takes
+        them to an end: the search joins forced text and closers token by token (` [` `]`),
+        where the model writes one token (` []`), and a plan longer than the model's own way
+        to the end replaced its last token when the budget fit that way exactly."""
+        if len(plan) < 2:
+            return plan
+        spelled = self._spelling()[0]
+        try:
+            text = b"".join(spelled[t] for t in plan).decode("utf-8")
+        except (TypeError, UnicodeDecodeError):  # (a token without bytes; a split character)
+            return plan
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= len(plan):
+            return plan
+        n = _accept_prefix(m, ids)
+        whole = n == len(ids) and m.can_terminate()
+        m.rollback(n)
+        return ids if whole else plan
+
+    def _complete_character(self, m, output_ids: list[int]) -> list[int] | None:
         """The continuation-byte tokens that end a UTF-8 character left open at the end of
-        req's output (the lowest byte the grammar takes, each), left accepted by req's matcher
-        (the caller rolls them back); [] when none is open, None (nothing accepted) when the
+        output_ids (the lowest byte the grammar takes, each), left accepted by matcher m (the
+        caller rolls them back); [] when none is open, None (nothing accepted) when the
         grammar takes none."""
         spelled = self._spelling()[0]
-        tail = b"".join(spelled[t] or b"" for t in req.output_ids[-4:] if t < len(spelled))
+        tail = b"".join(spelled[t] or b"" for t in output_ids[-4:] if t < len(spelled))
         need = utf8_missing_bytes(tail)
         if not need:
             return []
@@ -331,7 +428,7 @@ class ConstraintTracker:
             self._continuations = [t for t, b in enumerate(spelled)
                                    if b is not None and len(b) == 1 and 0x80 <= b[0] <= 0xBF]
             self._continuations.sort(key=lambda t: spelled[t])
-        m, head = req.grammar, []
+        head = []
         for _ in range(need):
             tok = next((t for t in self._continuations if m.accept_token(t)), None)
             if tok is None:
@@ -363,6 +460,15 @@ class ConstraintTracker:
                     ids.append(enc[0])
             self._closers = ids
         return self._closers
+
+    def _free_text_closer_ids(self) -> list[int]:
+        """The closers, those spelled with a letter (`a`, `null`) last."""
+        if self._free_text is None:
+            closers = self._closer_ids()
+            wordy = [any(c.isalpha() for c in self.tokenizer.decode([t])) for t in closers]
+            self._free_text = ([t for t, w in zip(closers, wordy) if not w]
+                               + [t for t, w in zip(closers, wordy) if w])
+        return self._free_text
 
     def _quote_closer_ids(self) -> list[int]:
         if self._quotes is None:
@@ -409,10 +515,16 @@ class ConstraintTracker:
         forced = m.find_jump_forward_string()
         if forced:
             options = [self._encode_forced(forced)]
-        elif self._inside_string(m):
+        elif self._inside_string(m) and any(_accepts(m, t) for t in self._quote_closer_ids()):
             # only a quote ends a string; any other closer is string content, and a depth-first
             # search that takes it wanders down ever longer strings until the budget is gone
             options = [[t] for t in self._quote_closer_ids()]
+        elif self._inside_string(m):
+            # free text no quote ends (a regex's `[a-z]+`, a string short of its minLength):
+            # words last, so a search leaves the run of letters (to ` `, a digit) before it
+            # lengthens it (it took only quotes here, found no closing for
+            # `([a-z]+ ){1,4}[0-9]{2}[.]`, and the output ran to the budget unfinished)
+            options = [[t] for t in self._free_text_closer_ids()]
         else:  # a quote here opens a string: the other closers first
             quotes = self._quote_closer_ids()
             options = [[t] for t in self._closer_ids() if t not in quotes]

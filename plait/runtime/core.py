@@ -19,6 +19,8 @@ class ClosingPlan(NamedTuple):
 
     length: int | None = None  # tokens of the last plan (-1: none found; None: never planned)
     remaining_then: int = 0  # the request's remaining new tokens when it was planned
+    tokens: tuple[int, ...] | None = None  # the plan (before its EOS), when one was found
+    at: int = -1  # len(output_ids) it was planned from
 
 
 class RequestFailed(Exception):

@@ -78,6 +78,13 @@ def record_output_logprob(req: Req, logprobs_row: torch.Tensor, token: int) -> N
         req.output_top_logprobs.append(top_logprobs(logprobs_row, req.top_logprobs_num))
 
 
+def drop_last_output_logprob(req: Req) -> None:
+    """Forget the newest output logprob (its token was not emitted after all)."""
+    req.output_token_logprobs.pop()
+    if req.top_logprobs_num:
+        req.output_top_logprobs.pop()
+
+
 def top_logprobs(logprobs_row: torch.Tensor, k: int) -> list[list]:
     """[[logprob, token_id], ...] of the k most likely tokens."""
     vals, ids = logprobs_row.topk(min(k, logprobs_row.shape[-1]))

@@ -581,12 +581,11 @@ class Scheduler:
             req.finish("length")
         else:
             if req.forced_ids:
-                token = req.forced_ids.pop(0)
+                self._emit(req, [req.forced_ids.pop(0)])
             else:
                 assert sampled is not None, "a sampling request got no token"
-                token = sampled
-            self._emit(req, [token])
-            self._force_follow(req)
+                if self._emit_sampled(req, sampled):  # else its closing came in its place
+                    self._force_follow(req)
         self.outputs.add(req)
         if req.finished:
             self._finish(req)
@@ -641,9 +640,10 @@ class Scheduler:
             if 0 in res.errors:
                 raise res.errors[0]
             token = res.next_ids[0]
-            self._emit(req, [token])  # stops at EOS, stop strings, length
             if req.return_logprob:
                 logprobs.record_output_logprob(req, res.logprobs[0], token)
+            if not self._emit_sampled(req, token):  # its closing came in its place
+                break
             # as after any sampled token, the grammar's forced text comes next; the token
             # then stays pending (its KV recomputed with that text, or fed before it)
             forced = self._force_follow(req)
@@ -651,6 +651,28 @@ class Scheduler:
                 break
             kept += 1  # the draft token's KV, computed at this position, is the model's
         return kept
+
+    def _emit_sampled(self, req: Req, token: int) -> bool:
+        """Emit a sampled token, or, near max_new_tokens, the closing its grammar needs in its
+        place when the token would leave no room to end the output whole (ConstraintTracker.
+        admit): the closing's first token now, the rest as _force_follow's forced text. Whether
+        the token itself was emitted (its logprob, recorded already, is dropped otherwise:
+        forced tokens have none)."""
+        closing = self.constraints.admit(req, token)
+        if closing is None:
+            self._emit(req, [token])  # stops at EOS, stop strings, length
+            return True
+        if req.return_logprob:
+            logprobs.drop_last_output_logprob(req)
+        self.counters["forced_tokens"] += len(closing)
+        req.num_forced_tokens += len(closing)
+        if self.args.disable_jump_forward:
+            self._emit(req, closing[:1])
+            if not req.finished:
+                req.forced_ids.extend(closing[1:])  # emitted one per decode step
+        else:
+            self._emit(req, closing)
+        return False
 
     def _force_follow(self, req: Req) -> bool:
         """After a sampled token: the tokens its grammar forces next are appended now (one
@@ -664,12 +686,12 @@ class Scheduler:
         return bool(follow)
 
     def _grammar_follow(self, req: Req) -> list[int]:
-        """Tokens the grammar forces next: a closing near the budget, else jump-forward."""
+        """Tokens the grammar forces next (jump-forward); near the budget, the closing plan
+        is brought up to date first."""
         if req.finished or req.forced_ids:
             return []
-        follow = self.constraints.closing(req) or self.constraints.jump_forward(
-            req, limit=req.remaining_new_tokens
-        )
+        self.constraints.plan_closing(req)
+        follow = self.constraints.jump_forward(req, limit=req.remaining_new_tokens)
         self.counters["forced_tokens"] += len(follow)
         req.num_forced_tokens += len(follow)
         return follow

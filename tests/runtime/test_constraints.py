@@ -23,6 +23,17 @@ SCHEMA = {
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
 }
+# every value bounded: the random model's greedy output ends by itself
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 PROMPTS = ["Person:", "Data about Bob", "x", "Extract the user as JSON: Ann, 31, likes tea"]
 
 
@@ -92,6 +103,47 @@ def test_a_budget_ending_where_the_output_is_whole_is_not_cut_short(engine):
         assert (a["output_ids"], a["text"]) == (b["output_ids"], b["text"])
 
 
+@pytest.mark.parametrize("constraint, least", [
+    ({"regex": r"-?[0-9]{1,10}\]"}, 3),
+    ({"regex": r"([a-z]+ ){1,4}[0-9]{2}[.]"}, 6),
+    ({"json_schema": json.dumps(BOUNDED)}, {"xgrammar": 19, "outlines": 15}),  # (whitespace)
+])
+def test_an_answer_that_fits_the_budget_is_not_cut_short(engine, constraint, least):
+    """Greedy output that ends by itself within max_new_tokens is the same whatever the budget
+    from its length up: the closing planner replaces only a token that leaves no closing that
+    fits (it forced closings with a fixed margin, 3 tokens early: SmolLM2 answered `1000400]`
+    where its free output is `10004000]`). Below that length (from the `least` tokens any
+    output of the constraint takes, with EOS; a generous figure) it still ends whole: also
+    for free text (the random model's endless `[a-z]+`, which no closing ended before)."""
+    from plait.runtime.constraints import CLOSE_WINDOW
+
+    if isinstance(least, dict):
+        least = least[engine.args.grammar_backend]
+    params = {"temperature": 0.0, **constraint}
+    full = engine.generate(PROMPTS, {"max_new_tokens": 200, **params})
+    ended = cut_short = 0
+    for prompt, o in zip(PROMPTS, full):
+        assert finished_ok(o), o["meta_info"]
+        n = o["meta_info"]["completion_tokens"]
+        by_itself = n <= 200 - CLOSE_WINDOW  # (else the planner closed it)
+        ended += by_itself
+        budgets = (n, n + 1, n + 3, n - 1, n - 3, n - 6) if by_itself else (12, 24, 40)
+        for budget in (b for b in budgets if b >= least):
+            out = engine.generate(prompt, {"max_new_tokens": budget, **params})
+            assert finished_ok(out), (budget, out["text"], out["meta_info"])
+            assert out["meta_info"]["completion_tokens"] <= budget
+            if by_itself and budget >= n:
+                assert (out["output_ids"], out["text"]) == (o["output_ids"], o["text"]), budget
+                continue
+            cut_short += out["text"] != o["text"]
+            if "regex" in constraint:
+                assert re.fullmatch(constraint["regex"], out["text"]), out["text"]
+            else:
+                jsonschema.validate(json.loads(out["text"]), BOUNDED)
+    assert cut_short  # (the budgets below the answer's length did bite)
+    assert ended or "[.]" in constraint.get("regex", "")  # (the random model's free text)
+
+
 @pytest.mark.parametrize(
     "params, word",
     [
@@ -125,18 +177,6 @@ def test_jump_forward_saves_forwards_and_off_forces_nothing(tiny_llama):
     assert forwards >= tokens
     forwards, tokens, forced = results[True]
     assert forced > 0 and forwards < tokens
-
-
-BOUNDED = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
-    },
-    "required": ["name", "age", "tags"],
-    "additionalProperties": False,
-}
 
 
 def masked_greedy_reference(path: str, prompts: list[list[int]], schema: dict, max_new: int):
