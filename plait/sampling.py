@@ -76,8 +76,8 @@ class SamplingParams:
             self.json_schema = schema_to_json(self.json_schema)
         if isinstance(self.structural_tag, dict):
             try:
-                self.structural_tag = json.dumps(self.structural_tag, sort_keys=True,
-                                                 allow_nan=False)
+                # (keys keep their order: a schema's properties are generated in it)
+                self.structural_tag = json.dumps(self.structural_tag, allow_nan=False)
             except (TypeError, ValueError, RecursionError) as e:
                 raise RequestError("structural_tag", f"not serializable as JSON ({e})") from None
         self.validate()
@@ -229,7 +229,9 @@ class SamplingParams:
 
 
 def schema_to_json(schema: Any) -> str:
-    """A JSON schema given as a dict, a JSON string or a Pydantic model class -> canonical JSON."""
+    """A JSON schema given as a dict, a JSON string or a Pydantic model class -> compact JSON.
+    Keys keep their order: the output's properties come in the schema's order (a model's
+    `reasoning` field before its `answer`), as in vLLM and SGLang; sorted, `answer` came first."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -242,7 +244,7 @@ def schema_to_json(schema: Any) -> str:
             "json_schema", "must be a JSON object, a JSON string or a Pydantic model"
         )
     try:
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise RequestError("json_schema", f"not serializable as JSON ({e})") from None
 

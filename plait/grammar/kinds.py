@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from plait.grammar.base import GRAMMAR_KINDS, GrammarError
 
@@ -26,16 +27,29 @@ def json_object_schema() -> dict:
 
 
 def canonical_spec(kind: str, spec: str) -> str:
-    """Equal constraints get equal text (JSON re-serialized with sorted keys)."""
+    """Equal constraints get equal text (JSON re-serialized compactly, keys sorted), except
+    for the order of a schema's `properties`, which is the order they are generated in (all
+    sorted, schemas that differed only there shared one cache entry, and the second was
+    generated in the first one's order)."""
     if kind not in GRAMMAR_KINDS:
         raise GrammarError(f"unknown constraint kind {kind!r} (known: {', '.join(GRAMMAR_KINDS)})")
     if kind == "json_object":
         return ""
     if kind in ("json_schema", "choices", "structural_tag"):
         try:
-            return json.dumps(json.loads(spec), sort_keys=True, separators=(",", ":"))
+            return json.dumps(_sort_keys(json.loads(spec)), separators=(",", ":"))
         except (json.JSONDecodeError, TypeError) as e:
             raise GrammarError(f"{kind}: not valid JSON ({e})", kind) from None
     if not isinstance(spec, str) or not spec:
         raise GrammarError(f"{kind}: must be a non-empty string", kind)
     return spec
+
+
+def _sort_keys(value: Any, ordered: bool = False) -> Any:
+    """value with every object's keys sorted but a `properties` object's (`ordered`)."""
+    if isinstance(value, dict):
+        keys = value if ordered else sorted(value)
+        return {k: _sort_keys(value[k], k == "properties" and not ordered) for k in keys}
+    if isinstance(value, list):
+        return [_sort_keys(v) for v in value]
+    return value

@@ -435,7 +435,9 @@ class _DiskCache:
         digest = hashlib.sha256(
             f"{vocab}|{spec.vocab_size}|{spec.eos_token_ids}".encode()
         ).hexdigest()[:16]
-        self.folder = root / f"{backend.fingerprint()}-{digest}"
+        # keys: 2 since specs keep their key order (folders of sorted keys are not read: a
+        # schema's grammar there may have come from another order of its properties)
+        self.folder = root / f"{backend.fingerprint()}-{digest}-keys2"
 
     def _path(self, key: tuple) -> Path:
         name = hashlib.sha256(json.dumps(key).encode()).hexdigest()

@@ -52,6 +52,11 @@ def test_cache_hits_are_done_futures(make_manager, name):
     stats = manager.stats()
     assert stats["cache_misses"] == 1 and stats["cache_hits"] == 2 and stats["compiles"] == 1
     assert stats["compile_seconds"]["count"] == 1
+    # the properties' order is the output's order: each order its own grammar
+    two = {"a": {"type": "string"}, "b": {"type": "integer"}}
+    ab, ba = (manager.submit("json_schema", json.dumps({"type": "object", "properties": p}))
+              for p in (two, dict(reversed(list(two.items())))))
+    assert ab.result(timeout=30) is not ba.result(timeout=30)
 
 
 def test_errors_come_through_the_future(make_manager):

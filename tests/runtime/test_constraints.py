@@ -144,6 +144,33 @@ def test_an_answer_that_fits_the_budget_is_not_cut_short(engine, constraint, lea
     assert ended or "[.]" in constraint.get("regex", "")  # (the random model's free text)
 
 
+def test_properties_come_in_each_schema_s_order(engine):
+    """The output's keys follow the schema's property order (what a chain-of-thought schema
+    relies on: `thoughts` before `answer`), for two schemas that differ only in that order,
+    in one engine, and for a Pydantic model's fields. Both were sorted (a cache key with
+    sorted keys gave the second schema the first one's grammar; a dict schema was serialized
+    sorted), so `answer` came first."""
+    import pydantic
+
+    props = {"thoughts": {"type": "string", "maxLength": 5},
+             "answer": {"type": "integer", "minimum": 0, "maximum": 9}}
+    for order in (["thoughts", "answer"], ["answer", "thoughts"]):
+        schema = {"type": "object", "properties": {k: props[k] for k in order},
+                  "required": order, "additionalProperties": False}
+        for spec in (json.dumps(schema), schema):
+            out = engine.generate("x", {"max_new_tokens": 40, "temperature": 0.0,
+                                        "json_schema": spec})
+            assert list(json.loads(out["text"])) == order, out["text"]
+
+    class Verdict(pydantic.BaseModel):
+        thoughts: str = pydantic.Field(max_length=5)
+        answer: int = pydantic.Field(ge=0, le=9)
+
+    spec = plait.SamplingParams(json_schema=Verdict).json_schema  # (as plait.lang passes it)
+    out = engine.generate("x", {"max_new_tokens": 40, "temperature": 0.0, "json_schema": spec})
+    assert list(json.loads(out["text"])) == ["thoughts", "answer"], out["text"]
+
+
 @pytest.mark.parametrize(
     "params, word",
     [

@@ -41,7 +41,7 @@ def test_response_format_json_schema():
     )
     assert sp.constraint == (
         "json_schema",
-        json.dumps(SCHEMA, sort_keys=True, separators=(",", ":")),
+        json.dumps(SCHEMA, separators=(",", ":")),  # keys in the schema's order
     )
 
 
@@ -60,7 +60,7 @@ def test_response_format_structural_tag():
                                                       "json_schema": SCHEMA}, "end": "</a>"}
     sp = chat_sampling(response_format={"type": "structural_tag", "format": fmt})
     assert sp.constraint == ("structural_tag", json.dumps(
-        {"type": "structural_tag", "format": fmt}, sort_keys=True))
+        {"type": "structural_tag", "format": fmt}))
     with pytest.raises(RequestError, match="response_format.format"):
         chat_sampling(response_format={"type": "structural_tag"})
 
