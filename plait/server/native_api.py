@@ -27,6 +27,7 @@ from plait.io_struct import (
     ReqState,
     format_output,
 )
+from plait.sampling import SamplingParams
 from plait.server import http_common
 from plait.server.http_common import TokenTexts
 
@@ -67,7 +68,10 @@ async def generate(request: Request) -> Response:
     req = http_common.normalize(request, inp)
     texts = TokenTexts(tm.tokenizer) if req.return_text_in_logprobs else None
     if not req.stream:
-        states = await http_common.run_to_end(request, req.reqs)
+        try:
+            states = await http_common.run_to_end(request, req.reqs)
+        except RequestError as e:
+            raise native_error(e) from None
         outs = [generate_output(s, r, texts) for s, r in zip(states, req.reqs)]
         return JSONResponse(outs if req.batched else outs[0])
 
@@ -78,7 +82,18 @@ async def generate(request: Request) -> Response:
                 out["index"] = k
             yield out
 
-    return await http_common.sse_response(request, req.reqs, render)
+    return await http_common.sse_response(request, req.reqs, render, native_error)
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def native_error(e: RequestError) -> RequestError:
+    """The scheduler names a refused constraint by its SamplingParams field (`regex`); in a
+    /generate body that field is `sampling_params.regex`."""
+    if e.field and e.field.split(".")[0] in _SAMPLING_FIELDS:
+        return e.renamed(f"sampling_params.{e.field}")
+    return e
 
 
 # ---------------------------------------------------------------------- control endpoints

@@ -120,6 +120,17 @@ def test_bad_request(http, path, body, status, text):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field, value", [("regex", "(unclosed"), ("json_schema", '{"type": 5}')])
+def test_a_constraint_the_scheduler_refuses_names_its_sampling_params_field(http, stream, field,
+                                                                            value):
+    """A constraint refused when it compiles (in the scheduler, not when the body is read) is
+    named as the /generate body has it: `sampling_params.regex` (it said `regex`)."""
+    body = {"text": "x", "stream": stream, "sampling_params": {field: value, "max_new_tokens": 4}}
+    err = assert_error(http.post("/generate", json=body), 400, field)
+    assert err["param"] == f"sampling_params.{field}", err
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_bad_request_while_streaming_is_a_status_not_an_event(http, stream):
     body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 10**6, "stream": stream}
     assert_error(http.post("/v1/chat/completions", json=body), 400, "max_tokens")
