@@ -144,6 +144,21 @@ def test_an_answer_that_fits_the_budget_is_not_cut_short(engine, constraint, lea
     assert ended or "[.]" in constraint.get("regex", "")  # (the random model's free text)
 
 
+def test_a_token_the_closing_replaces_leaves_no_logprob(engine):
+    """A sampled token that the budget's closing replaces is not output, and neither is its
+    logprob: the logprobs are the sampled tokens' (forced ones have none), in output order."""
+    pattern = r"-?[0-9]{1,10}\]"
+    for budget in (3, 4, 5):
+        out = engine.generate("x", {"max_new_tokens": budget, "temperature": 0.0,
+                                    "regex": pattern}, return_logprob=True)
+        meta = out["meta_info"]
+        assert finished_ok(out) and re.fullmatch(pattern, out["text"]), out["text"]
+        assert meta["forced_tokens"] >= 2  # the closing `]` and EOS
+        sampled = [tok for _, tok, *_ in meta["output_token_logprobs"]]
+        assert len(sampled) == meta["completion_tokens"] - meta["forced_tokens"]
+        assert out["output_ids"][: len(sampled)] == sampled
+
+
 def test_properties_come_in_each_schema_s_order(engine):
     """The output's keys follow the schema's property order (what a chain-of-thought schema
     relies on: `thoughts` before `answer`), for two schemas that differ only in that order,
