@@ -534,9 +534,16 @@ class Scheduler:
 
     def _sample(
         self, reqs: list[Req], logits: torch.Tensor, sample_row: dict[int, int]
-    ) -> dict[int, int]:
-        """{id(req): next token} for the requests that sample now (not forced, not done);
-        a request whose row cannot be sampled fails here."""
+    ) -> dict[int, tuple[int, torch.Tensor | None]]:
+        """{id(req): (next token, its row's logprobs when the request returns them)} for the
+        requests that sample now (not forced, not done); a request whose row cannot be sampled
+        fails here. A request that returns logprobs and emits a forced token now gets that
+        token's logprob from its row (the model's, as for a sampled token)."""
+        for r in reqs:
+            if r.forced_ids and r.return_logprob and not r.finished:
+                with self.isolate(r):
+                    row = torch.log_softmax(logits[sample_row[id(r)]].float(), dim=-1)
+                    logprobs.record_output_logprob(r, row, r.forced_ids[0])
         to_sample = [
             r for r in reqs
             if not r.finished and r.sampling.max_new_tokens > 0 and not r.forced_ids
@@ -568,13 +575,14 @@ class Scheduler:
         for k, req in enumerate(to_sample):
             if k in res.errors:
                 continue
-            new_tokens[id(req)] = res.next_ids[k]
+            new_tokens[id(req)] = (res.next_ids[k], None)
             if req.return_logprob:
+                new_tokens[id(req)] = (res.next_ids[k], res.logprobs[k])
                 with self.isolate(req):
                     logprobs.record_output_logprob(req, res.logprobs[k], res.next_ids[k])
         return new_tokens
 
-    def _commit_tokens(self, req: Req, sampled: int | None) -> None:
+    def _commit_tokens(self, req: Req, sampled: tuple[int, torch.Tensor | None] | None) -> None:
         """Append req's next token (sampled, or forced by its grammar), then what its grammar
         forces after it; finished requests free their state."""
         if req.sampling.max_new_tokens == 0:
@@ -584,7 +592,7 @@ class Scheduler:
                 self._emit(req, [req.forced_ids.pop(0)])
             else:
                 assert sampled is not None, "a sampling request got no token"
-                if self._emit_sampled(req, sampled):  # else its closing came in its place
+                if self._emit_sampled(req, *sampled):  # else its closing came in its place
                     self._force_follow(req)
         self.outputs.add(req)
         if req.finished:
@@ -642,7 +650,8 @@ class Scheduler:
             token = res.next_ids[0]
             if req.return_logprob:
                 logprobs.record_output_logprob(req, res.logprobs[0], token)
-            if not self._emit_sampled(req, token):  # its closing came in its place
+            if not self._emit_sampled(req, token, res.logprobs[0] if req.return_logprob else None):
+                break  # its closing came in its place
                 break
             # as after any sampled token, the grammar's forced text comes next; the token
             # then stays pending (its KV recomputed with that text, or fed before it)
@@ -652,21 +661,23 @@ class Scheduler:
             kept += 1  # the draft token's KV, computed at this position, is the model's
         return kept
 
-    def _emit_sampled(self, req: Req, token: int) -> bool:
+    def _emit_sampled(self, req: Req, token: int, row: torch.Tensor | None = None) -> bool:
         """Emit a sampled token, or, near max_new_tokens, the closing its grammar needs in its
         place when the token would leave no room to end the output whole (ConstraintTracker.
         admit): the closing's first token now, the rest as _force_follow's forced text. Whether
-        the token itself was emitted (its logprob, recorded already, is dropped otherwise:
-        forced tokens have none)."""
+        the token itself was emitted. The sampled token's logprob, recorded already from `row`,
+        becomes the closing's first token's (the same row predicts it); the rest are fed one a
+        step for a request that returns logprobs, each logprob from its own row."""
         closing = self.constraints.admit(req, token)
         if closing is None:
             self._emit(req, [token])  # stops at EOS, stop strings, length
             return True
         if req.return_logprob:
             logprobs.drop_last_output_logprob(req)
+            logprobs.record_output_logprob(req, row, closing[0])
         self.counters["forced_tokens"] += len(closing)
         req.num_forced_tokens += len(closing)
-        if self.args.disable_jump_forward:
+        if self._one_token_a_step(req):
             self._emit(req, closing[:1])
             if not req.finished:
                 req.forced_ids.extend(closing[1:])  # emitted one per decode step
@@ -679,11 +690,16 @@ class Scheduler:
         extend step computes their KV), or, with jump-forward off, queued to be fed one per
         decode step. Whether there were any."""
         follow = self._grammar_follow(req)
-        if follow and self.args.disable_jump_forward:
+        if follow and self._one_token_a_step(req):
             req.forced_ids.extend(follow)  # emitted one per decode step
         elif follow:
             self._emit(req, follow)
         return bool(follow)
+
+    def _one_token_a_step(self, req: Req) -> bool:
+        """Forced tokens are fed one per decode step (jump-forward off; a request that returns
+        logprobs, whose every output token gets the logprob of the row that predicts it)."""
+        return self.args.disable_jump_forward or req.return_logprob
 
     def _grammar_follow(self, req: Req) -> list[int]:
         """Tokens the grammar forces next (jump-forward); near the budget, the closing plan

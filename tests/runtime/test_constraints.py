@@ -144,19 +144,30 @@ def test_an_answer_that_fits_the_budget_is_not_cut_short(engine, constraint, lea
     assert ended or "[.]" in constraint.get("regex", "")  # (the random model's free text)
 
 
-def test_a_token_the_closing_replaces_leaves_no_logprob(engine):
-    """A sampled token that the budget's closing replaces is not output, and neither is its
-    logprob: the logprobs are the sampled tokens' (forced ones have none), in output order."""
-    pattern = r"-?[0-9]{1,10}\]"
-    for budget in (3, 4, 5):
-        out = engine.generate("x", {"max_new_tokens": budget, "temperature": 0.0,
-                                    "regex": pattern}, return_logprob=True)
+@pytest.mark.parametrize("params", [
+    {"regex": r"-?[0-9]{1,10}\]", "max_new_tokens": 4},  # a closing replaces a sampled token
+    {"regex": r"-?[0-9]{1,10}\]", "max_new_tokens": 40},
+    {"json_schema": json.dumps(BOUNDED), "max_new_tokens": 64},  # forced keys, punctuation
+    {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 24},  # a closing of many tokens
+])
+def test_every_constrained_output_token_has_its_logprob(engine, params):
+    """With return_logprob, every output token has a logprob, in output order: the request
+    decodes every token under the mask (no jump-forward) and the budget's closing is fed one
+    token a step, each logprob from the row that predicts it (forced tokens had none: OpenAI's
+    logprobs.content did not spell the message). The outputs stay whole."""
+    sp = {"temperature": 0.0, **params}
+    for prompt in PROMPTS:
+        out = engine.generate(prompt, sp, return_logprob=True)
         meta = out["meta_info"]
-        assert finished_ok(out) and re.fullmatch(pattern, out["text"]), out["text"]
-        assert meta["forced_tokens"] >= 2  # the closing `]` and EOS
-        sampled = [tok for _, tok, *_ in meta["output_token_logprobs"]]
-        assert len(sampled) == meta["completion_tokens"] - meta["forced_tokens"]
-        assert out["output_ids"][: len(sampled)] == sampled
+        assert finished_ok(out), meta
+        if "regex" in params:
+            assert re.fullmatch(params["regex"], out["text"]), out["text"]
+        else:
+            jsonschema.validate(json.loads(out["text"]), json.loads(params["json_schema"]))
+        assert [tok for _, tok, *_ in meta["output_token_logprobs"]] == out["output_ids"]
+        assert all(lp <= 0.0 for lp, *_ in meta["output_token_logprobs"])
+        if "max_new_tokens" in params and params["max_new_tokens"] == 4:
+            assert meta["forced_tokens"] >= 2  # the closing `]` and EOS replaced model tokens
 
 
 def test_properties_come_in_each_schema_s_order(engine):

@@ -165,6 +165,32 @@ def test_chat_logprobs(client):
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_constrained_chat_logprobs_spell_the_message(client, stream):
+    """A JSON-schema answer's logprobs.content has one entry per output token, the grammar's
+    keys and punctuation included, and spells the message (forced tokens had none)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    kwargs = dict(model=MODEL_NAME, messages=CHAT, max_tokens=40, temperature=0, logprobs=True,
+                  response_format={"type": "json_schema",
+                                   "json_schema": {"name": "x", "schema": schema}})
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        content = [t for c in chunks if c.choices and c.choices[0].logprobs
+                   for t in c.choices[0].logprobs.content]
+    else:
+        r = client.chat.completions.create(**kwargs)
+        text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens
+    assert json.loads(text).keys() == {"name", "n"}
+    tokens = [t.token for t in content]
+    if tokens[-1] in ("<|endoftext|>", "<|im_end|>"):  # the EOS that ended it, as unconstrained
+        tokens.pop()
+    assert "".join(tokens) == text
+
+
 def test_streamed_logprobs_match(client):
     kwargs = dict(
         model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
