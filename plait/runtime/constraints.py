@@ -53,6 +53,10 @@ def utf8_missing_bytes(text: bytes) -> int:
     return 0
 
 
+def _wordy(text: str) -> bool:
+    return any(c.isalnum() or c == "_" for c in text)
+
+
 def _accepts(m, token: int) -> bool:
     """Matcher m takes `token` next (m is left unchanged)."""
     if m.accept_token(token):
@@ -90,7 +94,9 @@ class ConstraintTracker:
         self._pending: list[tuple[Req, Any]] = []
         self._closers: list[int] | None = None
         self._quotes: list[int] | None = None
-        self._free_text: list[int] | None = None
+        self._free_text: tuple[list[int], list[int]] | None = None
+        self._chars: tuple[np.ndarray, list[str]] | None = None
+        self._closing_any_text = False  # the closing being planned is not JSON's (_plan_after)
         self._spelled = None
         self._spelling_thread: threading.Thread | None = None
         self._mask_scratch: torch.Tensor | None = None  # one row, for _extension_allowed
@@ -381,6 +387,8 @@ class ConstraintTracker:
         head = self._complete_character(m, req.output_ids if ids is None else ids)
         if head is None:
             return None
+        kind = req.sampling.constraint
+        self._closing_any_text = kind is not None and kind[0] in ("regex", "ebnf", "choices")
         try:
             plan = None
             # searched a few tokens deeper first: respelled, a plan may come out shorter
@@ -463,14 +471,55 @@ class ConstraintTracker:
             self._closers = ids
         return self._closers
 
-    def _free_text_closer_ids(self) -> list[int]:
-        """The closers, those spelled with a letter (`a`, `null`) last."""
+    def _free_text_closer_ids(self) -> tuple[list[int], list[int]]:
+        """The closers spelled with a word character (`a`, `0`, `null`), and the others."""
         if self._free_text is None:
             closers = self._closer_ids()
-            wordy = [any(c.isalpha() for c in self.tokenizer.decode([t])) for t in closers]
-            self._free_text = ([t for t, w in zip(closers, wordy) if not w]
-                               + [t for t, w in zip(closers, wordy) if w])
+            wordy = [_wordy(self.tokenizer.decode([t])) for t in closers]
+            self._free_text = ([t for t, w in zip(closers, wordy) if w],
+                               [t for t, w in zip(closers, wordy) if not w])
         return self._free_text
+
+    def _other_characters(self, m, budget: list[int]) -> tuple[list[int], list[int]]:
+        """For a constraint other than JSON (a regex, a grammar), the one-character tokens
+        matcher m takes here that are no closer: word characters (one of each kind: a digit, an
+        upper-case and a lower-case letter, `_`), and up to 6 others (`.`, `@`, `!`, `-`).
+        The closers are JSON's punctuation; a regex such as `[0-9]{3}-[A-Z]{2,}!` or
+        `\\w+@\\w+\\.com` needs characters they lack, and its output ran to the budget
+        unfinished. Filling the mask costs 2 units of the search budget."""
+        if not self._closing_any_text:
+            return [], []
+        chars = self._single_characters()
+        budget[0] -= 2
+        if self._mask_scratch is None:
+            self._mask_scratch = allocate_token_bitmask(1, self.vocab_size)
+            self._mask_words = self._mask_scratch[0].numpy()
+        m.fill_bitmask(self._mask_scratch, 0)
+        ids = chars[0]
+        allowed = (self._mask_words[ids >> 5] >> (ids & 31)) & 1
+        closers = set(self._closer_ids())
+        wordy, other, kinds = [], [], set()
+        for tok, text, ok in zip(ids.tolist(), chars[1], allowed.tolist()):
+            if not ok or tok in closers:
+                continue
+            if _wordy(text):
+                kind = "0" if text.isdigit() else "A" if text.isupper() else "a" if text.isalpha() else text
+                if kind not in kinds:
+                    kinds.add(kind)
+                    wordy.append(tok)
+            elif len(other) < 6:
+                other.append(tok)
+        return wordy, other
+
+    def _single_characters(self) -> tuple[np.ndarray, list[str]]:
+        """The tokens spelled as one printable ASCII character: ids, texts (in byte order)."""
+        if self._chars is None:
+            spelled = self._spelling()[0]
+            pairs = sorted((b, t) for t, b in enumerate(spelled)
+                           if b is not None and len(b) == 1 and 0x20 <= b[0] < 0x7F)
+            self._chars = (np.array([t for _, t in pairs], dtype=np.int64),
+                           [b.decode() for b, _ in pairs])
+        return self._chars
 
     def _quote_closer_ids(self) -> list[int]:
         if self._quotes is None:
@@ -526,11 +575,15 @@ class ConstraintTracker:
             # words last, so a search leaves the run of letters (to ` `, a digit) before it
             # lengthens it (it took only quotes here, found no closing for
             # `([a-z]+ ){1,4}[0-9]{2}[.]`, and the output ran to the budget unfinished)
-            options = [[t] for t in self._free_text_closer_ids()]
+            wordy, other = self._free_text_closer_ids()
+            more_wordy, more_other = self._other_characters(m, budget)
+            options = [[t] for t in other + more_other + wordy + more_wordy]
         else:  # a quote here opens a string: the other closers first
             quotes = self._quote_closer_ids()
             options = [[t] for t in self._closer_ids() if t not in quotes]
             options += [[t] for t in quotes]
+            more_wordy, more_other = self._other_characters(m, budget)
+            options += [[t] for t in more_other + more_wordy]
         for toks in options:
             if budget[0] <= 0:
                 return False

@@ -197,6 +197,26 @@ def test_properties_come_in_each_schema_s_order(engine):
     assert list(json.loads(out["text"])) == ["thoughts", "answer"], out["text"]
 
 
+@pytest.mark.parametrize("pattern", [
+    r"(yes|no), because [a-z ]+[.]",  # `.` is no JSON closer
+    r"[0-9]{3}-[A-Z]{2,}!",  # upper case, `!`
+    r"[a-z0-9_]+@[a-z0-9]+[.]com",  # `@`
+    r"([a-z]+ ){1,4}[0-9]{2}[.]",
+])
+def test_a_regex_of_any_characters_ends_whole_within_the_budget(engine, pattern):
+    """The budget's closing is found for regexes whose way out takes characters that are not
+    JSON's punctuation (the planner tried only those, and these outputs ran to max_new_tokens
+    unfinished): every output stops and matches, at budgets well under the random model's
+    endless free text."""
+    for budget in (10, 16, 24):
+        outs = engine.generate(PROMPTS, {"max_new_tokens": budget, "temperature": 0.0,
+                                         "regex": pattern})
+        for o in outs:
+            assert finished_ok(o), (budget, o["text"], o["meta_info"])
+            assert re.fullmatch(pattern, o["text"]), o["text"]
+            assert o["meta_info"]["completion_tokens"] <= budget
+
+
 @pytest.mark.parametrize(
     "params, word",
     [
