@@ -331,8 +331,10 @@ class ConstraintTracker:
         m = req.grammar
         if m is None or token in self.eos_ids:
             return None
-        plan = self.current_plan(req)
         remaining = req.remaining_new_tokens  # before the token
+        if not req.output_ids and req.closing_plan.length is None:
+            self.plan_closing(req)  # a short budget from the first token on: plan from the start
+        plan = self.current_plan(req)
         if plan is None or len(plan) + 1 > remaining:
             return None  # no plan for this point, or none fits (it was planned too late)
         if len(plan) + 1 + CLOSE_RECHECK_SLACK < remaining:
