@@ -485,7 +485,7 @@ class ConstraintTracker:
     def _other_characters(self, m, budget: list[int]) -> tuple[list[int], list[int]]:
         """For a constraint other than JSON (a regex, a grammar), the one-character tokens
         matcher m takes here that are no closer: word characters (one of each kind: a digit, an
-        upper-case and a lower-case letter, `_`), and up to 6 others (`.`, `@`, `!`, `-`).
+        upper-case and a lower-case letter, `_`), and up to 6 others (`.`, `@`, `!`, a newline).
         The closers are JSON's punctuation; a regex such as `[0-9]{3}-[A-Z]{2,}!` or
         `\\w+@\\w+\\.com` needs characters they lack, and its output ran to the budget
         unfinished. Filling the mask costs 2 units of the search budget."""
@@ -514,11 +514,12 @@ class ConstraintTracker:
         return wordy, other
 
     def _single_characters(self) -> tuple[np.ndarray, list[str]]:
-        """The tokens spelled as one printable ASCII character: ids, texts (in byte order)."""
+        """The tokens spelled as one printable ASCII character, a newline or a tab: ids, texts
+        (in byte order)."""
         if self._chars is None:
             spelled = self._spelling()[0]
-            pairs = sorted((b, t) for t, b in enumerate(spelled)
-                           if b is not None and len(b) == 1 and 0x20 <= b[0] < 0x7F)
+            pairs = sorted((b, t) for t, b in enumerate(spelled) if b is not None and len(b) == 1
+                           and (0x20 <= b[0] < 0x7F or b in (b"\n", b"\t")))
             self._chars = (np.array([t for _, t in pairs], dtype=np.int64),
                            [b.decode() for b, _ in pairs])
         return self._chars

@@ -219,6 +219,27 @@ def test_a_regex_of_any_characters_ends_whole_within_the_budget(engine, pattern)
             assert o["meta_info"]["completion_tokens"] <= budget
 
 
+@pytest.mark.parametrize("grammar", [
+    'root ::= [a-z]+ "=" [0-9]+ ";"',
+    'root ::= item+\nitem ::= "- " [A-Za-z ]+ "\\n"',  # a newline ends an item
+])
+def test_a_grammar_ends_whole_within_the_budget(engine, grammar):
+    """The same for EBNF grammars (xgrammar's): a list item that only a newline ends ran to
+    max_new_tokens unfinished."""
+    if engine.args.grammar_backend != "xgrammar":
+        pytest.skip("EBNF grammars are xgrammar's")
+    for budget in (8, 16):
+        outs = engine.generate(PROMPTS, {"max_new_tokens": budget, "temperature": 0.0,
+                                         "ebnf": grammar})
+        for o in outs:
+            assert finished_ok(o), (budget, o["text"], o["meta_info"])
+            assert o["meta_info"]["completion_tokens"] <= budget
+            if "item" in grammar:
+                assert re.fullmatch(r"(- [A-Za-z ]+\n)+", o["text"]), o["text"]
+            else:
+                assert re.fullmatch(r"[a-z]+=[0-9]+;", o["text"]), o["text"]
+
+
 @pytest.mark.parametrize(
     "params, word",
     [
