@@ -61,6 +61,11 @@ class SamplingParams:
     # xgrammar's structural tag (JSON text, as SGLang takes it): free text with tagged parts
     # held to their formats (plait's tool calls with --tool-call-parser use it)
     structural_tag: str | None = None
+    # where the constraint's text is complete, the probability of the tokens it forbids goes
+    # to EOS: the output ends where the model would go on with other text (`14` then `.`),
+    # rather than being held to the constraint's longer texts (`1411`). plait's own (not
+    # SGLang's); the language sets it for gen(dtype=int/float)
+    end_on_exit: bool = False
     # {token id: bias} added to the logits before penalties, masks and sampling (OpenAI's and
     # SGLang's logit_bias; JSON object keys are the ids as strings)
     logit_bias: dict[str, float] | None = None
@@ -123,7 +128,8 @@ class SamplingParams:
             raise RequestError("stop_token_ids", "must be a list of non-negative token ids")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_object"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_object",
+                     "end_on_exit"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
         for name in ("regex", "ebnf", "json_schema", "structural_tag"):

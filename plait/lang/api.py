@@ -59,7 +59,9 @@ def gen(
 ) -> Gen | Select:
     """Generate into variable `name`. Fields left None take run()'s defaults. `json_schema`
     is a dict, a JSON string or a Pydantic model class; `dtype` (int, float, bool, str)
-    constrains the text to parse as that type (the variable holds the text, as in SGLang).
+    constrains the text to parse as that type (the variable holds the text, as in SGLang); an
+    int or float ends where the model would go on with other text (end_on_exit: `27` where it
+    would write `27.`, not `271`).
     With `choices`, this is `select(name, choices, ...)`."""
     if choices is not None:
         return select(

@@ -347,6 +347,8 @@ class Executor(TextState):
         fields = {**self.defaults.sampling, **expr.sampling}
         if expr.dtype is not None:
             fields["regex"] = DTYPE_REGEX[expr.dtype]
+            if expr.dtype in (int, "int", float, "float"):  # `14` ends where the model writes `.`
+                fields.setdefault("end_on_exit", True)
         if self.cur_role is not None and self._chat_template is not None:
             stops = list(fields.get("stop_token_ids") or [])
             fields["stop_token_ids"] = stops + [

@@ -66,6 +66,7 @@ class Sampler:
             except Exception as e:  # noqa: BLE001 - one request's parameters; the others go on
                 errors[i] = RequestFailed(f"sampling: {type(e).__name__}: {e}", 500)
         if bitmask is not None:
+            self._end_on_exit(logits, reqs, bitmask)
             apply_bitmask(logits, bitmask)
         row_max, next_ids = max_argmax(logits)
         _check_logits(row_max, reqs, errors)
@@ -108,6 +109,22 @@ class Sampler:
         banned = [t for t in banned if 0 <= t < logits.shape[1]]
         if banned:
             logits[i, banned] = float("-inf")
+
+    def _end_on_exit(self, logits: torch.Tensor, reqs: list[Req], bitmask: torch.Tensor) -> None:
+        """end_on_exit: where a request's grammar can end, its first EOS takes the probability
+        of every token the grammar forbids (logsumexp into its logit, before the mask)."""
+        for i, r in enumerate(reqs):
+            if not (r.sampling.end_on_exit and r.grammar is not None and self.eos_token_ids
+                    and r.grammar.can_terminate() and not r.sampling.ignore_eos):
+                continue
+            words = bitmask[i].to(torch.int64) & 0xFFFFFFFF
+            bits = (words[:, None] >> torch.arange(32)) & 1
+            allowed = bits.flatten()[: logits.shape[1]] == 1
+            eos = next((e for e in self.eos_token_ids if e < len(allowed) and allowed[e]), None)
+            if eos is None:
+                continue
+            exit_mass = torch.logsumexp(logits[i][~allowed], dim=0)
+            logits[i, eos] = torch.logaddexp(logits[i, eos], exit_mass)
 
     # ------------------------------------------------------------------ sampling
     def _sample_rows(
@@ -198,6 +215,7 @@ def argmax_suffices(req: Req) -> bool:
     sp = req.sampling
     return (
         sp.is_greedy
+        and not sp.end_on_exit
         and not req.return_logprob
         and not sp.has_penalties
         and not sp.logit_bias

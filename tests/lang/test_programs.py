@@ -87,6 +87,10 @@ def test_gen_int_and_dtypes(backend):
     assert state.error() is None
     int(state["i"])
     float(state["f"])
+    # int and float end where the model would write other text (end_on_exit): on the random
+    # model, after the first token (it was held to digits up to max_tokens)
+    for name in ("i", "f"):
+        assert state.get_meta_info(name)["completion_tokens"] < 6, state[name]
     assert state["b"] in ("True", "False")
     assert re.fullmatch(REGEX_STR, state["s"])
 

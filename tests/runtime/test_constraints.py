@@ -240,6 +240,27 @@ def test_a_grammar_ends_whole_within_the_budget(engine, grammar):
                 assert re.fullmatch(r"[a-z]+=[0-9]+;", o["text"]), o["text"]
 
 
+def test_end_on_exit_ends_where_the_model_leaves_the_constraint(engine):
+    """end_on_exit: where the regex can end, EOS takes the probability of every token it
+    forbids. Greedy, the output is then a prefix of the plain one (only EOS's logit changed)
+    ended by EOS, and shorter where the model would have gone on with other text (the random
+    model, almost always: most of its vocabulary is no digit)."""
+    pattern = r"[-+]?[0-9]+"
+    sp = {"max_new_tokens": 16, "temperature": 0.0, "regex": pattern}
+    plain = engine.generate(PROMPTS, sp)
+    ended = engine.generate(PROMPTS, {**sp, "end_on_exit": True})
+    shorter = 0
+    for a, b in zip(plain, ended):
+        assert finished_ok(b) and re.fullmatch(pattern, b["text"]), b
+        ids = b["output_ids"][:-1]  # before its EOS
+        assert b["output_ids"][-1] == b["meta_info"]["finish_reason"]["matched"]
+        assert a["output_ids"][: len(ids)] == ids
+        shorter += len(b["output_ids"]) < len(a["output_ids"])
+    assert shorter
+    with pytest.raises(ValueError, match="end_on_exit"):
+        engine.generate("x", {**sp, "end_on_exit": "yes"})
+
+
 @pytest.mark.parametrize(
     "params, word",
     [
