@@ -114,9 +114,11 @@ class Sampler:
         """end_on_exit: where a request's grammar can end, its first EOS takes the probability
         of every token the grammar forbids (logsumexp into its logit, before the mask)."""
         for i, r in enumerate(reqs):
-            if not (r.sampling.end_on_exit and r.grammar is not None and self.eos_token_ids
-                    and r.grammar.can_terminate() and not r.sampling.ignore_eos):
-                continue
+            sp = r.sampling
+            if not (sp.end_on_exit and r.grammar is not None and self.eos_token_ids
+                    and not sp.ignore_eos and len(r.output_ids) >= sp.min_new_tokens
+                    and r.grammar.can_terminate()):
+                continue  # (before min_new_tokens EOS stays banned)
             words = bitmask[i].to(torch.int64) & 0xFFFFFFFF
             bits = (words[:, None] >> torch.arange(32)) & 1
             allowed = bits.flatten()[: logits.shape[1]] == 1

@@ -575,9 +575,8 @@ class Scheduler:
         for k, req in enumerate(to_sample):
             if k in res.errors:
                 continue
-            new_tokens[id(req)] = (res.next_ids[k], None)
+            new_tokens[id(req)] = (res.next_ids[k], res.logprobs[k] if req.return_logprob else None)
             if req.return_logprob:
-                new_tokens[id(req)] = (res.next_ids[k], res.logprobs[k])
                 with self.isolate(req):
                     logprobs.record_output_logprob(req, res.logprobs[k], res.next_ids[k])
         return new_tokens
@@ -652,7 +651,6 @@ class Scheduler:
                 logprobs.record_output_logprob(req, res.logprobs[0], token)
             if not self._emit_sampled(req, token, res.logprobs[0] if req.return_logprob else None):
                 break  # its closing came in its place
-                break
             # as after any sampled token, the grammar's forced text comes next; the token
             # then stays pending (its KV recomputed with that text, or fed before it)
             forced = self._force_follow(req)

@@ -257,6 +257,8 @@ def test_end_on_exit_ends_where_the_model_leaves_the_constraint(engine):
         assert a["output_ids"][: len(ids)] == ids
         shorter += len(b["output_ids"]) < len(a["output_ids"])
     assert shorter
+    for o in engine.generate(PROMPTS, {**sp, "end_on_exit": True, "min_new_tokens": 3}):
+        assert len(o["output_ids"]) >= 3, o  # EOS stays banned before min_new_tokens
     with pytest.raises(ValueError, match="end_on_exit"):
         engine.generate("x", {**sp, "end_on_exit": "yes"})
 
