@@ -162,12 +162,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     _apply_torch(logits, bitmask.to(logits.device), covered)
 
 
-def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, covered: int) -> None:
-    bsz = logits.shape[0]
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bitmask [..., W] (int32 words) -> bool [..., vocab]: the tokens each row allows."""
     bits = torch.ones(32, dtype=torch.int32, device=bitmask.device) << torch.arange(
         32, dtype=torch.int32, device=bitmask.device
     )
-    banned = (bitmask.unsqueeze(-1) & bits).eq(0).view(bsz, -1)[:, :covered]  # [B, covered]
+    return (bitmask.unsqueeze(-1) & bits).ne(0).flatten(-2)[..., :vocab]
+
+
+def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, covered: int) -> None:
+    banned = ~allowed_tokens(bitmask, covered)  # [B, covered]
     logits[:, :covered].masked_fill_(banned, float("-inf"))
 
 

@@ -96,10 +96,9 @@ class ConstraintTracker:
         self._quotes: list[int] | None = None
         self._free_text: tuple[list[int], list[int]] | None = None
         self._chars: tuple[np.ndarray, list[str]] | None = None
-        self._closing_any_text = False  # the closing being planned is not JSON's (_plan_after)
         self._spelled = None
         self._spelling_thread: threading.Thread | None = None
-        self._mask_scratch: torch.Tensor | None = None  # one row, for _extension_allowed
+        self._mask_scratch: torch.Tensor | None = None  # one row, for _allowed
         self._mask_words: np.ndarray | None = None  # its words, as a numpy view
         self._continuations: list[int] | None = None  # single-byte tokens 0x80-0xBF
         self._forced_ids: dict[str, tuple[int, ...]] = {}  # _encode_forced's memo
@@ -255,14 +254,17 @@ class ConstraintTracker:
         hi = len(keys) if successor is None else bisect.bisect_left(keys, successor)
         if hi <= lo:
             return False
+        return bool(self._allowed(m, ids[lo:hi]).any())
+
+    def _allowed(self, m, ids: np.ndarray) -> np.ndarray:
+        """Which of the token `ids` (int64) matcher m allows next: 1 or 0 each."""
         if self._mask_scratch is None:
             self._mask_scratch = allocate_token_bitmask(1, self.vocab_size)
             # a view of its words: the gather below in numpy takes ~3 us, torch's index_select
             # and shifts took ~16 (SmolLM2's JSON extraction batch: ~500 calls)
             self._mask_words = self._mask_scratch[0].numpy()
         m.fill_bitmask(self._mask_scratch, 0)
-        candidates = ids[lo:hi]
-        return bool(((self._mask_words[candidates >> 5] >> (candidates & 31)) & 1).any())
+        return (self._mask_words[ids >> 5] >> (ids & 31)) & 1
 
     def _prepare_spelling(self) -> None:
         """Build the spelling index (_spelling) in a background thread, started with the first
@@ -366,9 +368,7 @@ class ConstraintTracker:
         return list(cp.tokens[k:])
 
     def _keep_plan(self, req: Req, plan: list[int] | None, at: int, remaining: int) -> None:
-        req.closing_plan = ClosingPlan(
-            len(plan) if plan is not None else -1, remaining,
-            tuple(plan) if plan is not None else None, at)
+        req.closing_plan = ClosingPlan(remaining, tuple(plan) if plan is not None else None, at)
 
     @staticmethod
     def _shortest_first(req: Req) -> bool:
@@ -390,13 +390,13 @@ class ConstraintTracker:
         if head is None:
             return None
         kind = req.sampling.constraint
-        self._closing_any_text = kind is not None and kind[0] in ("regex", "ebnf", "choices")
+        any_text = kind is not None and kind[0] in ("regex", "ebnf", "choices")
         try:
             plan = None
             # searched a few tokens deeper first: respelled, a plan may come out shorter
             for depth in (max_len - len(head) + CLOSE_RESPELL_SLACK, max_len - len(head)):
                 if depth >= 0:
-                    plan = self._plan_closing(m, depth, shortest)
+                    plan = self._plan_closing(m, depth, shortest, any_text)
                 if plan is not None:
                     plan = self._respelled(m, plan)
                     if len(head) + len(plan) <= max_len:
@@ -483,22 +483,16 @@ class ConstraintTracker:
         return self._free_text
 
     def _other_characters(self, m, budget: list[int]) -> tuple[list[int], list[int]]:
-        """For a constraint other than JSON (a regex, a grammar), the one-character tokens
-        matcher m takes here that are no closer: word characters (one of each kind: a digit, an
+        """For a constraint other than JSON (a regex, a grammar: the search's `any_text`), the
+        one-character tokens matcher m takes here that are no closer: word characters (one of each kind: a digit, an
         upper-case and a lower-case letter, `_`), and up to 6 others (`.`, `@`, `!`, a newline).
         The closers are JSON's punctuation; a regex such as `[0-9]{3}-[A-Z]{2,}!` or
         `\\w+@\\w+\\.com` needs characters they lack, and its output ran to the budget
         unfinished. Filling the mask costs 2 units of the search budget."""
-        if not self._closing_any_text:
-            return [], []
         chars = self._single_characters()
         budget[0] -= 2
-        if self._mask_scratch is None:
-            self._mask_scratch = allocate_token_bitmask(1, self.vocab_size)
-            self._mask_words = self._mask_scratch[0].numpy()
-        m.fill_bitmask(self._mask_scratch, 0)
         ids = chars[0]
-        allowed = (self._mask_words[ids >> 5] >> (ids & 31)) & 1
+        allowed = self._allowed(m, ids)
         closers = set(self._closer_ids())
         wordy, other, kinds = [], [], set()
         for tok, text, ok in zip(ids.tolist(), chars[1], allowed.tolist()):
@@ -545,7 +539,8 @@ class ConstraintTracker:
             self._letter = enc[0] if len(enc) == 1 else None
         return self._letter
 
-    def _plan_closing(self, m, max_len: int, shortest: bool = True) -> list[int] | None:
+    def _plan_closing(self, m, max_len: int, shortest: bool = True,
+                      any_text: bool = False) -> list[int] | None:
         """A short token sequence after which the matcher can terminate (None if none within
         max_len tokens or the node budget): iterative deepening finds the shortest when it is
         a few tokens deep (`shortest`); else a depth-first search, closers first, finds a
@@ -553,15 +548,18 @@ class ConstraintTracker:
         budget = [CLOSE_SEARCH_NODES // 2 if shortest else 0]
         for depth in range(min(max_len, CLOSE_SHORTEST_DEPTH) + 1 if shortest else 0):
             path: list[int] = []
-            if self._search(m, depth, path, budget):
+            if self._search(m, depth, path, budget, any_text):
                 return path
             if budget[0] <= 0:
                 break
         path = []
-        return path if self._search(m, max_len, path, [CLOSE_SEARCH_NODES // 2]) else None
+        return path if self._search(m, max_len, path, [CLOSE_SEARCH_NODES // 2], any_text) else None
 
-    def _search(self, m, depth: int, path: list[int], budget: list[int]) -> bool:
-        """Depth-limited search; every token tried costs one unit of budget."""
+    def _search(self, m, depth: int, path: list[int], budget: list[int],
+                any_text: bool = False) -> bool:
+        """Depth-limited search; every token tried costs one unit of budget. `any_text`: the
+        constraint is not JSON (a regex, a grammar): other characters than JSON's closers are
+        tried too (_other_characters)."""
         if m.can_terminate():
             return True
         if depth <= 0:
@@ -569,23 +567,24 @@ class ConstraintTracker:
         forced = m.find_jump_forward_string()
         if forced:
             options = [self._encode_forced(forced)]
-        elif self._inside_string(m) and any(_accepts(m, t) for t in self._quote_closer_ids()):
+        elif (inside := self._inside_string(m)) and any(
+                _accepts(m, t) for t in self._quote_closer_ids()):
             # only a quote ends a string; any other closer is string content, and a depth-first
             # search that takes it wanders down ever longer strings until the budget is gone
             options = [[t] for t in self._quote_closer_ids()]
-        elif self._inside_string(m):
+        elif inside:
             # free text no quote ends (a regex's `[a-z]+`, a string short of its minLength):
             # words last, so a search leaves the run of letters (to ` `, a digit) before it
             # lengthens it (it took only quotes here, found no closing for
             # `([a-z]+ ){1,4}[0-9]{2}[.]`, and the output ran to the budget unfinished)
             wordy, other = self._free_text_closer_ids()
-            more_wordy, more_other = self._other_characters(m, budget)
+            more_wordy, more_other = self._other_characters(m, budget) if any_text else ([], [])
             options = [[t] for t in other + more_other + wordy + more_wordy]
         else:  # a quote here opens a string: the other closers first
             quotes = self._quote_closer_ids()
             options = [[t] for t in self._closer_ids() if t not in quotes]
             options += [[t] for t in quotes]
-            more_wordy, more_other = self._other_characters(m, budget)
+            more_wordy, more_other = self._other_characters(m, budget) if any_text else ([], [])
             options += [[t] for t in more_other + more_wordy]
         for toks in options:
             if budget[0] <= 0:
@@ -600,7 +599,7 @@ class ConstraintTracker:
                 n += 1
             if n == len(toks):
                 path.extend(toks)
-                if self._search(m, depth - n, path, budget):
+                if self._search(m, depth - n, path, budget, any_text):
                     m.rollback(n)
                     return True
                 del path[-n:]

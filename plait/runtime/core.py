@@ -17,10 +17,16 @@ _EMPTY = torch.empty((0,), dtype=torch.int64)
 class ClosingPlan(NamedTuple):
     """The grammar-closing planner's last result, so it re-plans only when the budget tightens."""
 
-    length: int | None = None  # tokens of the last plan (-1: none found; None: never planned)
     remaining_then: int = 0  # the request's remaining new tokens when it was planned
     tokens: tuple[int, ...] | None = None  # the plan (before its EOS), when one was found
-    at: int = -1  # len(output_ids) it was planned from
+    at: int = -1  # len(output_ids) it was planned from (-1: never planned)
+
+    @property
+    def length(self) -> int | None:
+        """Tokens of the last plan (-1: none was found; None: never planned)."""
+        if self.at < 0:
+            return None
+        return -1 if self.tokens is None else len(self.tokens)
 
 
 class RequestFailed(Exception):

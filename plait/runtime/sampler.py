@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plait.grammar.base import apply_token_bitmask
+from plait.grammar.base import allowed_tokens, apply_token_bitmask
 from plait.kernels.fused_ops import fused_ops
 from plait.runtime.core import Req, RequestFailed
 from plait.runtime.logit_screen import ScreenedRows
@@ -119,9 +119,7 @@ class Sampler:
                     and not sp.ignore_eos and len(r.output_ids) >= sp.min_new_tokens
                     and r.grammar.can_terminate()):
                 continue  # (before min_new_tokens EOS stays banned)
-            words = bitmask[i].to(torch.int64) & 0xFFFFFFFF
-            bits = (words[:, None] >> torch.arange(32)) & 1
-            allowed = bits.flatten()[: logits.shape[1]] == 1
+            allowed = allowed_tokens(bitmask[i], logits.shape[1])
             eos = next((e for e in self.eos_token_ids if e < len(allowed) and allowed[e]), None)
             if eos is None:
                 continue
