@@ -2,7 +2,7 @@
 
     python -m benchmarks.grammar [--model DIR] [--backends xgrammar,outlines] [--dev-tokens 48]
         [--repeats 3] [--only-extraction | --only-long | --only-dev-costs] [--skip-dev]
-        [--dev-cost-tokens 32]
+        [--dev-cost-tokens 32] [--only-budgets 16,32,64]
 
 1. extraction: 32 JSON-schema requests (a schema with fixed keys: name, age, tags) vs the same
    32 prompts unconstrained (ignore_eos, as many tokens as the constrained run produced on
@@ -28,6 +28,10 @@
    each accepted schema's request alone (batch 1), constrained up to that many tokens, against
    the same prompt unconstrained for as many tokens; the median, the maximum and every schema
    above 2x (issue 13: no dev schema may cost over 2x an unconstrained token).
+
+7. `--only-budgets 16,32,64` alone: the dev schemas greedy at each max_new_tokens: how many
+   end whole (and valid) and which run out (`length`, incomplete), written to
+   grammar-budgets[-MODEL].json: the budget closing's reach on real schemas.
 
 Writes benchmarks/results/grammar.json and grammar.md.
 """
@@ -230,13 +234,37 @@ KEYWORD = re.compile(r"keyword '([^']+)'")
 
 
 def dev_schemas(model: str, backend: str, max_tokens: int) -> dict:
-    import jsonschema
-
     import plait
 
-    files = sorted(DEV.glob("*/*.json"))
-    if not files:
+    if not sorted(DEV.glob("*/*.json")):
         return {"error": f"no schemas at {DEV}"}
+    with plait.Engine(model, grammar_backend=backend, grammar_compile_timeout=10.0,
+                      max_total_tokens=65536) as eng:
+        return _dev_run(eng, max_tokens)
+
+
+def dev_budgets(model: str, backend: str, budgets: list[int]) -> dict:
+    """The dev schemas at each of `budgets` max_new_tokens (greedy, one Engine): how many end
+    whole and valid, and which run out of budget (`length`, incomplete: a schema whose
+    shortest output is longer than the budget, or a closing the planner did not find)."""
+    import plait
+
+    with plait.Engine(model, grammar_backend=backend, grammar_compile_timeout=10.0,
+                      max_total_tokens=65536, log_level="error") as eng:
+        _dev_run(eng, 8)  # compiles every schema once: the budgets' runs find them cached
+        out = {}
+        for b in budgets:
+            r = out[str(b)] = _dev_run(eng, b)
+            print(f"  budget {b:4d}: {r['finished']} of {r['accepted']} accepted end whole "
+                  f"({r['finished_valid']:.0%} of them valid), {r['length']} run out "
+                  f"({r['seconds']:.0f} s)", flush=True)
+        return out
+
+
+def _dev_run(eng, max_tokens: int) -> dict:
+    import jsonschema
+
+    files = sorted(DEV.glob("*/*.json"))
 
     async def run(eng) -> list:
         sem = asyncio.Semaphore(16)
@@ -256,13 +284,12 @@ def dev_schemas(model: str, backend: str, max_tokens: int) -> dict:
         return await asyncio.gather(*(one(f) for f in files))
 
     t = time.perf_counter()
-    with plait.Engine(model, grammar_backend=backend, grammar_compile_timeout=10.0,
-                      max_total_tokens=65536) as eng:
-        results = asyncio.run(run(eng))
+    results = asyncio.run(run(eng))
     secs = time.perf_counter() - t
     accepted = finished = valid = 0
     refusals: collections.Counter = collections.Counter()
     invalid: list[str] = []
+    ran_out: list[str] = []
     for path, spec, r, err in results:
         if err is not None:
             m = KEYWORD.search(err)
@@ -278,6 +305,7 @@ def dev_schemas(model: str, backend: str, max_tokens: int) -> dict:
             continue
         accepted += 1
         if r["meta_info"]["finish_reason"]["type"] != "stop":
+            ran_out.append(path.relative_to(DEV).as_posix())
             continue
         finished += 1
         try:
@@ -288,6 +316,7 @@ def dev_schemas(model: str, backend: str, max_tokens: int) -> dict:
     return {
         "schemas": len(files), "accepted": accepted, "accepted_share": accepted / len(files),
         "finished": finished, "finished_valid": valid / max(1, finished), "invalid": invalid,
+        "length": len(ran_out), "ran_out": ran_out,
         "refusals": dict(refusals.most_common()), "seconds": secs,
     }
 
@@ -465,6 +494,9 @@ def main(argv=None) -> int:
                     help="only the extraction comparison (printed, no files written)")
     ap.add_argument("--only-long", action="store_true",
                     help="only the long-maxLength per-token-cost check")
+    ap.add_argument("--only-budgets", default="",
+                    help="only the dev schemas at these max_new_tokens (e.g. 16,32,64): how "
+                         "many end whole; written to grammar-budgets[-MODEL].json")
     args = ap.parse_args(argv)
     ngram = None if args.dev_cost_ngram == "default" else int(args.dev_cost_ngram)
     model = resolve_model_path(args.model)  # a directory, a GGUF, or a name (plait-tiny, smollm2)
@@ -475,6 +507,11 @@ def main(argv=None) -> int:
     res = {"model_name": args.model, "when": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
            "git": _git_rev(), "backends": {}}
     for backend in args.backends.split(","):
+        if args.only_budgets:
+            print(f"[{backend}] dev schemas within budgets", flush=True)
+            res["backends"][backend] = {"budgets": dev_budgets(
+                model, backend, [int(b) for b in args.only_budgets.split(",")])}
+            continue
         if args.only_dev_costs:
             print(f"[{backend}] dev schemas: per-token cost", flush=True)
             res["backends"][backend] = {"dev_costs": dev_costs(
@@ -504,6 +541,12 @@ def main(argv=None) -> int:
                                        speculative_ngram=ngram)
         res["backends"][backend] = r
     stem = "grammar" if args.model == "plait-tiny" else f"grammar-{Path(args.model).name}"
+    if args.only_budgets:
+        RESULTS.mkdir(exist_ok=True)
+        out = RESULTS / f"{stem.replace('grammar', 'grammar-budgets', 1)}.json"
+        out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {out}")
+        return 0
     if args.only_dev_costs:  # its own file: the per-schema figures
         RESULTS.mkdir(exist_ok=True)
         suffix = "" if ngram == 0 else f"-ngram{ngram if ngram is not None else ''}"

@@ -328,8 +328,10 @@ class ConstraintTracker:
     def admit(self, req: Req, token: int) -> list[int] | None:
         """Before a sampled token is emitted: None to keep it, or the tokens to emit in its
         place (the closing planned before it, then EOS) when it would leave no closing that
-        fits the budget. While the budget is tight this plans from after the token (one
-        grammar search a step), which is then the plan for the next token."""
+        fits the budget. Inside the window every token is checked: the closing planned before
+        it usually still ends the output after it (a letter of a value, a digit), which a few
+        matcher steps confirm; else (punctuation, a key's name, a tight budget) a grammar
+        search plans from after it. Either way that is the plan for the next token."""
         m = req.grammar
         if m is None or token in self.eos_ids:
             return None
@@ -337,23 +339,44 @@ class ConstraintTracker:
         if not req.output_ids and req.closing_plan.length is None:
             self.plan_closing(req)  # a short budget from the first token on: plan from the start
         plan = self.current_plan(req)
-        if plan is None or len(plan) + 1 > remaining:
-            return None  # no plan for this point, or none fits (it was planned too late)
-        if len(plan) + 1 + CLOSE_RECHECK_SLACK < remaining:
-            return None  # room to spare: plan_closing re-plans when it runs short
+        if plan is None:  # no plan from this point (jump-forward's text left the last one)
+            if req.closing_plan.length in (None, -1) or remaining > CLOSE_WINDOW:
+                return None  # never planned, or nothing fitted then: nothing to keep to
+        elif len(plan) + 1 > remaining:
+            return None  # none fits (it was planned too late)
+        elif plan and token == plan[0]:
+            return None  # the model closes as planned
         if not m.accept_token(token):
             return None  # (the emit reports the grammar's refusal)
         try:
             if m.is_terminated():
                 return None
             ids = req.output_ids + [token]
+            if plan is not None and len(plan) + 1 < remaining and self._completes(m, plan):
+                self._keep_plan(req, plan, len(ids), remaining - 1)
+                return None  # the same closing still fits after the token
             after = self._plan_after(req, remaining - 2, self._shortest_first(req), ids)
         finally:
             m.rollback(1)
         if after is not None:
             self._keep_plan(req, after, len(ids), remaining - 1)
             return None
+        if plan is None:  # planned from before the token only now that it is needed
+            plan = self._plan_after(req, remaining - 1, self._shortest_first(req))
+            self._keep_plan(req, plan, len(req.output_ids), remaining)
+            if plan is None:
+                return None
         return plan + [self._accepted_eos(m, plan)]
+
+    @staticmethod
+    def _completes(m, plan: list[int]) -> bool:
+        """Whether matcher m takes `plan` to a state that can end (m left unchanged)."""
+        n = _accept_prefix(m, plan)
+        try:
+            return n == len(plan) and m.can_terminate()
+        finally:
+            if n:
+                m.rollback(n)
 
     def current_plan(self, req: Req) -> list[int] | None:
         """The rest of req's last plan from the end of its output: the plan was made there, or
@@ -565,6 +588,7 @@ class ConstraintTracker:
         if depth <= 0:
             return False
         forced = m.find_jump_forward_string()
+        more = not any_text and not forced  # JSON: other characters if nothing else works
         if forced:
             options = [self._encode_forced(forced)]
         elif (inside := self._inside_string(m)) and any(
@@ -572,6 +596,7 @@ class ConstraintTracker:
             # only a quote ends a string; any other closer is string content, and a depth-first
             # search that takes it wanders down ever longer strings until the budget is gone
             options = [[t] for t in self._quote_closer_ids()]
+            more = False
         elif inside:
             # free text no quote ends (a regex's `[a-z]+`, a string short of its minLength):
             # words last, so a search leaves the run of letters (to ` `, a digit) before it
@@ -586,6 +611,20 @@ class ConstraintTracker:
             options += [[t] for t in quotes]
             more_wordy, more_other = self._other_characters(m, budget) if any_text else ([], [])
             options += [[t] for t in more_other + more_wordy]
+        if self._search_options(m, depth, path, budget, any_text, options, bool(forced)):
+            return True
+        if more and budget[0] > 0:
+            # JSON's closers spell no key: where the grammar takes one of several (`reason`,
+            # `status`) and forces none, the search goes on from a first letter, jump-forward's
+            # text taking the rest; free text gets the characters its pattern needs
+            tried = {t for toks in options for t in toks}
+            more_wordy, more_other = self._other_characters(m, budget)
+            options = [[t] for t in more_other + more_wordy if t not in tried]
+            return self._search_options(m, depth, path, budget, any_text, options, False)
+        return False
+
+    def _search_options(self, m, depth: int, path: list[int], budget: list[int],
+                        any_text: bool, options: list[list[int]], forced: bool) -> bool:
         for toks in options:
             if budget[0] <= 0:
                 return False

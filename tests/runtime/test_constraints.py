@@ -199,6 +199,55 @@ def test_properties_come_in_each_schema_s_order(engine):
     assert list(json.loads(out["text"])) == ["thoughts", "answer"], out["text"]
 
 
+# `{"a": 0}` ends it; the optional "extra", once opened, takes some fifteen tokens more
+LATE_OPENING = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 9},
+        "extra": {"type": "object", "properties": {
+            k: {"type": "string", "maxLength": 3} for k in ("k1", "k2", "k3")},
+            "required": ["k1", "k2", "k3"], "additionalProperties": False},
+    },
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def test_a_token_that_opens_a_long_closing_is_checked_before_the_budget_is_tight(engine):
+    """A token can lengthen the closing by more than the recheck slack: `,` (or `},`) before
+    an optional object with required keys commits the output to ` "extra": {"k1": "", ...}}`.
+    Every sampled token in the window is checked (SmolLM2 wrote `"port": 8080}, "database":
+    {"url":` at 32 tokens, where `}}` had fitted: `length`, incomplete). Random tokens at
+    temperature 1 open "extra" at every distance from the budget."""
+    spec = json.dumps(LATE_OPENING)
+    params = [{"max_new_tokens": budget, "temperature": 1.0, "seed": seed, "json_schema": spec}
+              for budget in range(8, 30, 3) for seed in range(6)]
+    outs = engine.generate(["x"] * len(params), params)
+    opened = 0
+    for p, o in zip(params, outs):
+        assert finished_ok(o), (p["max_new_tokens"], o["text"], o["meta_info"])
+        value = json.loads(o["text"])
+        jsonschema.validate(value, LATE_OPENING)
+        opened += "extra" in value
+    assert opened  # (the optional object was taken)
+
+
+def test_the_closing_spells_a_key_the_grammar_does_not_force(engine):
+    """After `", "` the grammar takes `reason` or `status` and forces neither: the closing
+    search, whose texts are JSON punctuation and minimal values, found no way on from there,
+    so an open string before two such keys never closed (SmolLM2 on a Kubernetes schema:
+    `length` at 64 tokens, incomplete). It now goes on from the keys' first letters."""
+    schema = {"type": "object", "properties": {
+        "message": {"type": "string"}, "reason": {"type": "string"},
+        "status": {"type": "string"}}, "required": ["message", "status"],
+        "additionalProperties": False}
+    outs = engine.generate(PROMPTS, {"max_new_tokens": 24, "temperature": 0.0,
+                                     "json_schema": json.dumps(schema)})
+    for o in outs:
+        assert finished_ok(o), (o["text"], o["meta_info"])
+        jsonschema.validate(json.loads(o["text"]), schema)
+
+
 @pytest.mark.parametrize("pattern", [
     r"(yes|no), because [a-z ]+[.]",  # `.` is no JSON closer
     r"[0-9]{3}-[A-Z]{2,}!",  # upper case, `!`
