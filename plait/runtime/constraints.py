@@ -21,6 +21,10 @@ JF_HOLD_BACK = 3
 CLOSE_WINDOW = 48
 # grammar-state expansions one closing search may use
 CLOSE_SEARCH_NODES = 600
+# what a token the matcher refuses at once costs of that budget (~1.4 us against ~10-30 us
+# for a node taken: SmolLM2, a JSON schema): a path through a pattern's string (a phone
+# number's digits and `-`, each found after the closers the matcher refuses) is affordable
+CLOSE_REFUSED_COST = 0.125
 # plan at every step once the last plan plus this slack no longer fits (a token may lengthen
 # the closing by a few: `, "` opens a key that needs a value), else every this many steps
 CLOSE_RECHECK_SLACK = 4
@@ -505,7 +509,7 @@ class ConstraintTracker:
                                [t for t, w in zip(closers, wordy) if not w])
         return self._free_text
 
-    def _other_characters(self, m, budget: list[int]) -> tuple[list[int], list[int]]:
+    def _other_characters(self, m, budget: list[float]) -> tuple[list[int], list[int]]:
         """For a constraint other than JSON (a regex, a grammar: the search's `any_text`), the
         one-character tokens matcher m takes here that are no closer: word characters (one of each kind: a digit, an
         upper-case and a lower-case letter, `_`), and up to 6 others (`.`, `@`, `!`, a newline).
@@ -578,7 +582,7 @@ class ConstraintTracker:
         path = []
         return path if self._search(m, max_len, path, [CLOSE_SEARCH_NODES // 2], any_text) else None
 
-    def _search(self, m, depth: int, path: list[int], budget: list[int],
+    def _search(self, m, depth: int, path: list[int], budget: list[float],
                 any_text: bool = False) -> bool:
         """Depth-limited search; every token tried costs one unit of budget. `any_text`: the
         constraint is not JSON (a regex, a grammar): other characters than JSON's closers are
@@ -623,19 +627,20 @@ class ConstraintTracker:
             return self._search_options(m, depth, path, budget, any_text, options, False)
         return False
 
-    def _search_options(self, m, depth: int, path: list[int], budget: list[int],
+    def _search_options(self, m, depth: int, path: list[int], budget: list[float],
                         any_text: bool, options: list[list[int]], forced: bool) -> bool:
         for toks in options:
             if budget[0] <= 0:
                 return False
-            budget[0] -= 1
             if len(toks) > depth:
+                budget[0] -= CLOSE_REFUSED_COST
                 continue
             n = 0
             for t in toks:
                 if not m.accept_token(t):
                     break
                 n += 1
+            budget[0] -= 1 if n else CLOSE_REFUSED_COST
             if n == len(toks):
                 path.extend(toks)
                 if self._search(m, depth - n, path, budget, any_text):

@@ -189,8 +189,9 @@ def test_closing_planner_work_is_bounded_whatever_the_max_length(backends, token
         counting = CountingMatcher(m)
         plans[max_length] = tracker._plan_closing(counting, 200)
         calls[max_length] = counting.calls
-    # every node of the search costs a few matcher calls, and the node budget is fixed
-    bound = 6 * constraints.CLOSE_SEARCH_NODES
+    # the node budget is fixed: a unit is a node taken (a few matcher calls) or 1 / the
+    # refused cost tries the matcher refuses (one call each)
+    bound = max(6, round(1 / constraints.CLOSE_REFUSED_COST)) * constraints.CLOSE_SEARCH_NODES
     assert all(0 < c <= bound for c in calls.values()), calls
     assert plans[16] is not None and plans[2048] is not None
     assert len(plans[2048]) == len(plans[16])  # the same short closing, not a walk to the bound
