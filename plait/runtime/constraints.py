@@ -308,8 +308,9 @@ class ConstraintTracker:
     # fits the budget after it; the first sampled token that leaves none is replaced by the
     # closing planned before it. So an answer that fits is never cut short (a fixed margin
     # forced closings a few tokens early: `1000400]` for the model's `10004000]`), and one
-    # that does not fit still ends whole. Planning is a grammar search: it runs once a step
-    # only while the budget is tight, and now and then before.
+    # that does not fit still ends whole. Inside the window admit() checks every sampled
+    # token: a few matcher steps when the plan before it still ends the output after it, else
+    # a grammar search (bounded: CLOSE_SEARCH_NODES).
 
     def plan_closing(self, req: Req) -> None:
         """After an output token: (re)plan req's closing when the budget is getting tight by
@@ -510,9 +511,11 @@ class ConstraintTracker:
         return self._free_text
 
     def _other_characters(self, m, budget: list[float]) -> tuple[list[int], list[int]]:
-        """For a constraint other than JSON (a regex, a grammar: the search's `any_text`), the
-        one-character tokens matcher m takes here that are no closer: word characters (one of each kind: a digit, an
-        upper-case and a lower-case letter, `_`), and up to 6 others (`.`, `@`, `!`, a newline).
+        """For a constraint other than JSON (a regex, a grammar: the search's `any_text`), and
+        for JSON where no closer leads on (a key the grammar does not force), the
+        one-character tokens matcher m takes here that are no closer: word characters (one of
+        each kind: a digit, an upper-case and a lower-case letter, `_`), and up to 6 others
+        (`.`, `@`, `!`, a newline).
         The closers are JSON's punctuation; a regex such as `[0-9]{3}-[A-Z]{2,}!` or
         `\\w+@\\w+\\.com` needs characters they lack, and its output ran to the budget
         unfinished. Filling the mask costs 2 units of the search budget."""
@@ -584,9 +587,9 @@ class ConstraintTracker:
 
     def _search(self, m, depth: int, path: list[int], budget: list[float],
                 any_text: bool = False) -> bool:
-        """Depth-limited search; every token tried costs one unit of budget. `any_text`: the
-        constraint is not JSON (a regex, a grammar): other characters than JSON's closers are
-        tried too (_other_characters)."""
+        """Depth-limited search; every token tried costs one unit of budget (CLOSE_REFUSED_COST
+        when the matcher refuses it). `any_text`: the constraint is not JSON (a regex, a
+        grammar): other characters than JSON's closers are tried too (_other_characters)."""
         if m.can_terminate():
             return True
         if depth <= 0:
