@@ -189,8 +189,8 @@ def test_closing_planner_work_is_bounded_whatever_the_max_length(backends, token
         counting = CountingMatcher(m)
         plans[max_length] = tracker._plan_closing(counting, 200)
         calls[max_length] = counting.calls
-    # the node budget is fixed: a unit is a node taken (a few matcher calls) or 1 / the
-    # refused cost tries the matcher refuses (one call each)
+    # the node budget is fixed: a unit is one node taken (a few matcher calls) or as many
+    # tries the matcher refuses as make one unit at CLOSE_REFUSED_COST each (a call each)
     bound = max(6, round(1 / constraints.CLOSE_REFUSED_COST)) * constraints.CLOSE_SEARCH_NODES
     assert all(0 < c <= bound for c in calls.values()), calls
     assert plans[16] is not None and plans[2048] is not None
