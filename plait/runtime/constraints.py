@@ -449,10 +449,7 @@ class ConstraintTracker:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if len(ids) >= len(plan):
             return plan
-        n = _accept_prefix(m, ids)
-        whole = n == len(ids) and m.can_terminate()
-        m.rollback(n)
-        return ids if whole else plan
+        return ids if self._completes(m, ids) else plan
 
     def _complete_character(self, m, output_ids: list[int]) -> list[int] | None:
         """The continuation-byte tokens that end a UTF-8 character left open at the end of
