@@ -19,6 +19,10 @@ from plait.runtime.core import ClosingPlan, Req, RequestFailed
 JF_HOLD_BACK = 3
 # start planning a closing once this few output tokens remain
 CLOSE_WINDOW = 48
+# ... or from the first token when the whole budget is this short: an output's first tokens
+# choose its structure (`{"Records": [{` opens an item of many required keys), and by the
+# time 48 tokens remain of 64 the shortest closing may no longer fit
+CLOSE_WHOLE_BUDGET = 128
 # grammar-state expansions one closing search may use
 CLOSE_SEARCH_NODES = 600
 # what a token the matcher refuses at once costs of that budget (~1.4 us against ~10-30 us
@@ -317,7 +321,7 @@ class ConstraintTracker:
         the last plan's length, or every few steps inside the window; kept in
         req.closing_plan for admit()."""
         m, remaining = req.grammar, req.remaining_new_tokens
-        if m is None or m.is_terminated() or remaining > CLOSE_WINDOW or not self.eos_ids:
+        if m is None or m.is_terminated() or not self._in_window(req) or not self.eos_ids:
             return
         if m.can_terminate():  # what is written is whole: a cut there leaves it valid (a
             return  # structural tag's free text, a finished regex); nothing to close
@@ -345,7 +349,7 @@ class ConstraintTracker:
             self.plan_closing(req)  # a short budget from the first token on: plan from the start
         plan = self.current_plan(req)
         if plan is None:  # no plan from this point (jump-forward's text left the last one)
-            if req.closing_plan.length in (None, -1) or remaining > CLOSE_WINDOW:
+            if req.closing_plan.length in (None, -1) or not self._in_window(req):
                 return None  # never planned, or nothing fitted then: nothing to keep to
         elif len(plan) + 1 > remaining:
             return None  # none fits (it was planned too late)
@@ -372,6 +376,13 @@ class ConstraintTracker:
             if plan is None:
                 return None
         return plan + [self._accepted_eos(m, plan)]
+
+    @staticmethod
+    def _in_window(req: Req) -> bool:
+        """Whether req's output tokens are checked against a closing now: its last
+        CLOSE_WINDOW tokens, or all of them when its budget is at most CLOSE_WHOLE_BUDGET."""
+        return (req.remaining_new_tokens <= CLOSE_WINDOW
+                or req.sampling.max_new_tokens <= CLOSE_WHOLE_BUDGET)
 
     @staticmethod
     def _completes(m, plan: list[int]) -> bool:

@@ -232,6 +232,39 @@ def test_a_token_that_opens_a_long_closing_is_checked_before_the_budget_is_tight
     assert opened  # (the optional object was taken)
 
 
+# an optional object whose required keys take far more than the few tokens "a" needs
+EARLY_OPENING = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 9},
+        "extra": {"type": "object", "properties": {
+            f"key{i:02d}": {"type": "string", "maxLength": 2} for i in range(8)},
+            "required": [f"key{i:02d}" for i in range(8)], "additionalProperties": False},
+    },
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def test_a_short_budget_is_checked_from_its_first_token(engine):
+    """An output's first tokens choose its structure: `, "extra": {` commits it to eight
+    required keys. Checked only in its last 48 tokens, a budget of 50-70 let the random model
+    open "extra" just before that, and by then its closing no longer fitted (SmolLM2 on the
+    dev schemas at 64 tokens: `{"Records": [{"awsRegion": ...` ran out where `{"Records":
+    []}` had fitted). A budget of at most 128 tokens is checked from its first token."""
+    spec = json.dumps(EARLY_OPENING)
+    params = [{"max_new_tokens": budget, "temperature": 1.0, "seed": seed, "json_schema": spec}
+              for budget in range(50, 72, 3) for seed in range(6)]
+    outs = engine.generate(["x"] * len(params), params)
+    opened = 0
+    for p, o in zip(params, outs):
+        assert finished_ok(o), (p["max_new_tokens"], o["text"], o["meta_info"])
+        value = json.loads(o["text"])
+        jsonschema.validate(value, EARLY_OPENING)
+        opened += "extra" in value
+    assert opened  # (the optional object was taken)
+
+
 def test_the_closing_spells_a_key_the_grammar_does_not_force(engine):
     """After `", "` the grammar takes `reason` or `status` and forces neither: the closing
     search, whose texts are JSON punctuation and minimal values, found no way on from there,
