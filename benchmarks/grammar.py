@@ -72,11 +72,11 @@ def extraction(model: str, backend: str, n: int = 32, repeats: int = 3) -> dict:
     cons = {"max_new_tokens": w.max_new_tokens, "temperature": 0, "json_schema": w.json_schema}
     out: dict = {}
 
-    def timed(eng, params) -> tuple[float, list, dict]:
+    def timed(eng, params, logprobs: bool = False) -> tuple[float, list, dict]:
         eng.flush_cache()
         before = eng.get_server_info()
         t = time.perf_counter()
-        res = eng.generate(input_ids=w.prompts, sampling_params=params)
+        res = eng.generate(input_ids=w.prompts, sampling_params=params, return_logprob=logprobs)
         return time.perf_counter() - t, res, _stats_delta(eng, before)
 
     for jf in (True, False):
@@ -111,9 +111,15 @@ def extraction(model: str, backend: str, n: int = 32, repeats: int = 3) -> dict:
                             "temperature": 0, "ignore_eos": True} for r in res]
                 timed(eng, free)
                 timed(eng, matched)
-                cons_s, free_s, matched_s = [], [], []
+                timed(eng, cons, logprobs=True)
+                cons_s, free_s, matched_s, lp_s = [], [], [], []
                 for _ in range(repeats):
                     cons_s.append(timed(eng, cons)[0])
+                    # the same requests returning logprobs (each forced token's from the
+                    # extend that feeds jump-forward's text; before session 40 they turned
+                    # jump-forward off and decoded every forced token a step of its own)
+                    lsecs, lres, ldelta = timed(eng, cons, logprobs=True)
+                    lp_s.append(lsecs)
                     usecs, ures, _ = timed(eng, free)
                     free_s.append(usecs)
                     msecs, mres, _ = timed(eng, matched)
@@ -121,7 +127,15 @@ def extraction(model: str, backend: str, n: int = 32, repeats: int = 3) -> dict:
                 row["seconds"] = statistics.median(cons_s)
                 row["out_tok_s"] = tokens / row["seconds"]
                 row["repeats"] = {"constrained_s": cons_s, "unconstrained_s": free_s,
-                                  "matched_s": matched_s}
+                                  "matched_s": matched_s, "logprobs_s": lp_s}
+                row["with_logprobs"] = {
+                    "seconds": statistics.median(lp_s),
+                    "out_tok_s": tokens / statistics.median(lp_s),
+                    "forwards_per_request": ldelta["request_forwards"] / n,
+                    "same_text": sum(a["text"] == b for a, b in zip(lres, texts)) / n,
+                    "logprobs_per_token": sum(
+                        len(r["meta_info"]["output_token_logprobs"]) for r in lres) / tokens,
+                }
                 for key, results, secs_list in (("unconstrained", ures, free_s),
                                                 ("unconstrained_matched", mres, matched_s)):
                     utok = sum(r["meta_info"]["completion_tokens"] for r in results)

@@ -205,12 +205,12 @@ class ConstraintTracker:
         when the grammar allows a longer token that starts with their text: tokenized alone,
         forced text ends at a token boundary the model would not choose (`"items": [` forced
         as ` [` where the model takes ` ["`), which changes what it generates next.
-        Off with --disable-jump-forward, and for a request that returns logprobs: the model
-        then decodes every token under the mask."""
+        Off with --disable-jump-forward (the model then decodes every token under the mask);
+        the scheduler sets `limit` (for a request that returns logprobs, see
+        Scheduler._jump_limit)."""
         m = req.grammar
-        if (self.args.disable_jump_forward or req.return_logprob or m is None
-                or m.is_terminated() or limit <= 0):
-            return []  # (off for logprobs: every output token has a row that predicts it)
+        if self.args.disable_jump_forward or m is None or m.is_terminated() or limit <= 0:
+            return []
         text = m.find_jump_forward_string()
         if not text:
             return []

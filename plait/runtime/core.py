@@ -120,6 +120,15 @@ class Req:
         return max(0, self.sampling.max_new_tokens - len(self.output_ids))
 
     @property
+    def missing_output_logprobs(self) -> int:
+        """Output tokens emitted ahead of the forward that computes the rows predicting them
+        (a request that returns logprobs: its jump-forward text); that forward records their
+        logprobs, and the output waits for them."""
+        if not self.return_logprob:
+            return 0
+        return len(self.output_ids) - self.sent_output_len - len(self.output_token_logprobs)
+
+    @property
     def wants_input_logprobs(self) -> bool:
         return self.input_token_logprobs is not None
 

@@ -51,7 +51,10 @@ class KVManager:
 
     def _match_limit(self, req: Req) -> int:
         # the last token's logits are always computed, so never take the whole sequence
-        return min(req.seq_len - 1, req.input_logprob_limit() if not req.output_ids else req.seq_len - 1)
+        limit = min(req.seq_len - 1, req.input_logprob_limit() if not req.output_ids else req.seq_len - 1)
+        if req.missing_output_logprobs:  # (retracted) the rows predicting them are computed
+            limit = min(limit, req.seq_len - req.missing_output_logprobs - 1)
+        return limit
 
     # ------------------------------------------------------------------ lifecycle
     def admit(self, req: Req) -> bool:

@@ -26,12 +26,16 @@ class LogitRows(NamedTuple):
     # every row only needs its greedy pick (sampler.argmax_suffices): the forward may return
     # the picks instead of the logits
     argmax_only: bool = False
+    # batch index -> [(token row, output index of the token that row predicts)], for output
+    # tokens emitted before their rows were computed (Req.missing_output_logprobs)
+    output_rows: dict[int, list[tuple[int, int]]] = {}
 
 
 def plan_logit_rows(batch: Batch) -> LogitRows:
     rows: list[int] = []
     input_rows: dict[int, list[tuple[int, int]]] = {}
     draft_rows: dict[int, list[int]] = {}
+    output_rows: dict[int, list[tuple[int, int]]] = {}
     offset = 0
     for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens)):
         if req.wants_input_logprobs and req.kv_len < len(req.input_ids):
@@ -39,18 +43,26 @@ def plan_logit_rows(batch: Batch) -> LogitRows:
             for pos in range(req.kv_len, req.kv_len + ext):
                 if first <= pos + 1 < len(req.input_ids):
                     input_rows.setdefault(i, []).append((offset + pos - req.kv_len, pos + 1))
+        if missing := req.missing_output_logprobs:
+            # output token j is predicted by the row at position len(input_ids) + j - 1
+            n_out = len(req.output_ids)
+            for j in range(n_out - missing, n_out):
+                pos = len(req.input_ids) + j - 1
+                if req.kv_len <= pos < req.kv_len + ext:
+                    output_rows.setdefault(i, []).append((offset + pos - req.kv_len, j))
         if batch.samples_token[i]:
             rows.append(offset + ext - 1)
         if batch.draft_ids is not None and ext > 1:
             draft_rows[i] = list(range(offset, offset + ext - 1))
         offset += ext
-    extra = sorted({r for pairs in input_rows.values() for r, _ in pairs} - set(rows))
+    extra = sorted({r for pairs in (*input_rows.values(), *output_rows.values())
+                    for r, _ in pairs} - set(rows))
     drafts = [r for rs in draft_rows.values() for r in rs]
-    argmax_only = not input_rows and all(
+    argmax_only = not input_rows and not output_rows and all(
         argmax_suffices(req)
         for req, samples in zip(batch.reqs, batch.samples_token) if samples
     )
-    return LogitRows(rows + extra + drafts, input_rows, draft_rows, argmax_only)
+    return LogitRows(rows + extra + drafts, input_rows, draft_rows, argmax_only, output_rows)
 
 
 def record_input_logprobs(
@@ -70,6 +82,19 @@ def record_input_logprobs(
         req.input_token_logprobs.append([float(lp[tok]), tok])
         if req.top_logprobs_num:
             req.input_top_logprobs.append(top_logprobs(lp, req.top_logprobs_num))
+
+
+def record_missing_output_logprobs(
+    req: Req, logits: torch.Tensor, row_index: dict[int, int], pairs: list[tuple[int, int]]
+) -> None:
+    """Append the logprobs of req's output tokens emitted before this forward computed the
+    rows that predict them (pairs: (token row, output index), in output order)."""
+    first = len(req.output_ids) - req.missing_output_logprobs
+    assert [j for _, j in pairs] == list(range(first, first + len(pairs))), "logprob order"
+    idx = torch.tensor([row_index[r] for r, _ in pairs])
+    rows = torch.log_softmax(logits[idx].float(), dim=-1)
+    for (_, j), lp in zip(pairs, rows):
+        record_output_logprob(req, lp, req.output_ids[j])
 
 
 def record_output_logprob(req: Req, logprobs_row: torch.Tensor, token: int) -> None:

@@ -486,6 +486,10 @@ class Scheduler:
         # logits rows: the sampling requests' last rows first (batch order), then prompt rows
         row_index = {r: k for k, r in enumerate(plan.rows)}
         self._record_input_logprobs(batch, logits, row_index, plan.input_rows)
+        for i, pairs in plan.output_rows.items():  # (before the sampled tokens' own)
+            req = batch.reqs[i]
+            with self.isolate(req):
+                logprobs.record_missing_output_logprobs(req, logits, row_index, pairs)
         self._commit_kv(batch)
         sampling = [r for r, s in zip(batch.reqs, batch.samples_token) if s]
         sample_row = {id(r): k for k, r in enumerate(sampling)}
@@ -675,10 +679,16 @@ class Scheduler:
             logprobs.record_output_logprob(req, row, closing[0])
         self.counters["forced_tokens"] += len(closing)
         req.num_forced_tokens += len(closing)
-        if self._one_token_a_step(req):
+        if self._jump_limit(req) <= 0:
             self._emit(req, closing[:1])
             if not req.finished:
                 req.forced_ids.extend(closing[1:])  # emitted one per decode step
+        elif req.return_logprob:
+            # the closing's text at once, its EOS fed after it: the forward that computes the
+            # text's rows gives their logprobs, and its last row EOS's
+            self._emit(req, closing[:-1])
+            if not req.finished:
+                req.forced_ids.append(closing[-1])
         else:
             self._emit(req, closing)
         return False
@@ -688,16 +698,24 @@ class Scheduler:
         extend step computes their KV), or, with jump-forward off, queued to be fed one per
         decode step. Whether there were any."""
         follow = self._grammar_follow(req)
-        if follow and self._one_token_a_step(req):
-            req.forced_ids.extend(follow)  # emitted one per decode step
-        elif follow:
+        if follow:
             self._emit(req, follow)
         return bool(follow)
 
-    def _one_token_a_step(self, req: Req) -> bool:
-        """Forced tokens are fed one per decode step (jump-forward off; a request that returns
-        logprobs, whose every output token gets the logprob of the row that predicts it)."""
-        return self.args.disable_jump_forward or req.return_logprob
+    def _jump_limit(self, req: Req) -> int:
+        """How many forced tokens req may append at once, ahead of the forward that feeds them
+        (jump-forward); 0: none, each is fed by a decode step of its own (jump-forward off).
+        A request that returns logprobs gets each forced token's from the row that predicts it,
+        computed by the extend that feeds the text: so its output must not end inside the text
+        (the budget's last token stays for the row after it, and a stop string or stop token
+        that might match inside forced text leaves it one token a step)."""
+        if self.args.disable_jump_forward:
+            return 0
+        if not req.return_logprob:
+            return req.remaining_new_tokens
+        if req.sampling.stop or req.sampling.stop_token_ids:
+            return 0
+        return req.remaining_new_tokens - 1
 
     def _grammar_follow(self, req: Req) -> list[int]:
         """Tokens the grammar forces next (jump-forward); near the budget, the closing plan
@@ -705,7 +723,7 @@ class Scheduler:
         if req.finished or req.forced_ids:
             return []
         self.constraints.plan_closing(req)
-        follow = self.constraints.jump_forward(req, limit=req.remaining_new_tokens)
+        follow = self.constraints.jump_forward(req, limit=self._jump_limit(req))
         self.counters["forced_tokens"] += len(follow)
         req.num_forced_tokens += len(follow)
         return follow

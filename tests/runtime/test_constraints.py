@@ -153,11 +153,14 @@ def test_an_answer_that_fits_the_budget_is_not_cut_short(engine, constraint, lea
     {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 24},  # a closing of many tokens
 ])
 def test_every_constrained_output_token_has_its_logprob(engine, params):
-    """With return_logprob, every output token has a logprob, in output order: the request
-    decodes every token under the mask (no jump-forward) and the budget's closing is fed one
-    token a step, each logprob from the row that predicts it (forced tokens had none: OpenAI's
-    logprobs.content did not spell the message). The outputs stay whole."""
+    """With return_logprob, every output token has a logprob, in output order, each from the
+    row that predicts it: a forced token's (jump-forward's text, the budget's closing) comes
+    from the extend that feeds the text (forced tokens had none: OpenAI's logprobs.content did
+    not spell the message). Logprobs no longer turn jump-forward off (each forced token was
+    decoded a step of its own): the output is the same as without them, and each logprob is
+    the one scoring prompt + output gives that token. The outputs stay whole."""
     sp = {"temperature": 0.0, **params}
+    forced = 0
     for prompt in PROMPTS:
         out = engine.generate(prompt, sp, return_logprob=True)
         meta = out["meta_info"]
@@ -166,10 +169,47 @@ def test_every_constrained_output_token_has_its_logprob(engine, params):
             assert re.fullmatch(params["regex"], out["text"]), out["text"]
         else:
             jsonschema.validate(json.loads(out["text"]), json.loads(params["json_schema"]))
-        assert [tok for _, tok, *_ in meta["output_token_logprobs"]] == out["output_ids"]
-        assert all(lp <= 0.0 for lp, *_ in meta["output_token_logprobs"])
+        got = meta["output_token_logprobs"]
+        assert [tok for _, tok, *_ in got] == out["output_ids"]
+        assert all(lp <= 0.0 for lp, *_ in got)
         if "max_new_tokens" in params and params["max_new_tokens"] == 4:
             assert meta["forced_tokens"] >= 2  # the closing `]` and EOS replaced model tokens
+        plain = engine.generate(prompt, sp)
+        assert plain["output_ids"] == out["output_ids"]
+        assert plain["meta_info"]["forced_tokens"] == meta["forced_tokens"]
+        forced += meta["forced_tokens"]
+        # the oracle: prompt + output scored in one prefill (extend rows, as a forced
+        # token's are; a decoded token's row differs from them in the last bits)
+        prompt_ids = engine.tokenizer.encode(prompt)
+        assert len(prompt_ids) == meta["prompt_tokens"]
+        scored = engine.generate(
+            input_ids=prompt_ids + out["output_ids"],
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_logprob=True, logprob_start_len=len(prompt_ids))
+        want = [lp for lp, *_ in scored["meta_info"]["input_token_logprobs"]]
+        assert len(want) == len(got)
+        for k, ((lp, tok, *_), w) in enumerate(zip(got, want)):
+            assert abs(lp - w) < 1e-3, (k, tok, lp, w)
+    if "json_schema" in params:
+        assert forced  # (jump-forward's text was in the outputs)
+
+
+def test_streamed_constrained_tokens_come_with_their_logprobs(engine):
+    """A streamed request that returns logprobs: jump-forward's text is emitted before the
+    forward that computes its logprobs, and the stream holds it until then, so every chunk's
+    tokens have theirs (the OpenAI layer pairs each chunk's text with its logprobs). With a
+    stop string, forced text (which the string might end inside) is fed a token a step."""
+    spec = json.dumps(BOUNDED)
+    for extra in ({}, {"stop": ["zzz"]}):
+        sp = {"max_new_tokens": 48, "temperature": 0.0, "json_schema": spec, **extra}
+        ids: list[int] = []
+        for chunk in engine.generate("Person:", sp, stream=True, return_logprob=True):
+            ids += chunk["output_ids"]
+            assert len(chunk["meta_info"]["output_token_logprobs"]) == len(ids)
+        whole = engine.generate("Person:", sp, return_logprob=True)
+        assert ids == whole["output_ids"]
+        assert [t for _, t, _ in whole["meta_info"]["output_token_logprobs"]] == ids
+        jsonschema.validate(json.loads(whole["text"]), BOUNDED)
 
 
 def test_properties_come_in_each_schema_s_order(engine):
