@@ -679,7 +679,7 @@ class Scheduler:
             logprobs.record_output_logprob(req, row, closing[0])
         self.counters["forced_tokens"] += len(closing)
         req.num_forced_tokens += len(closing)
-        if self._jump_limit(req) <= 0:
+        if self.args.disable_jump_forward or self._forced_one_a_step(req):
             self._emit(req, closing[:1])
             if not req.finished:
                 req.forced_ids.extend(closing[1:])  # emitted one per decode step
@@ -698,24 +698,30 @@ class Scheduler:
         extend step computes their KV), or, with jump-forward off, queued to be fed one per
         decode step. Whether there were any."""
         follow = self._grammar_follow(req)
-        if follow:
+        if follow and self._forced_one_a_step(req):
+            req.forced_ids.extend(follow)  # emitted one per decode step
+        elif follow:
             self._emit(req, follow)
         return bool(follow)
 
+    @staticmethod
+    def _forced_one_a_step(req: Req) -> bool:
+        """Forced text is fed one token a decode step, each token's logprob from the row
+        before it: a request that returns logprobs and has a stop string or stop token id,
+        which might end its output inside the text, before an extend fed all of it had
+        computed the rows that predict it."""
+        return req.return_logprob and bool(req.sampling.stop or req.sampling.stop_token_ids)
+
     def _jump_limit(self, req: Req) -> int:
-        """How many forced tokens req may append at once, ahead of the forward that feeds them
-        (jump-forward); 0: none, each is fed by a decode step of its own (jump-forward off).
-        A request that returns logprobs gets each forced token's from the row that predicts it,
-        computed by the extend that feeds the text: so its output must not end inside the text
-        (the budget's last token stays for the row after it, and a stop string or stop token
-        that might match inside forced text leaves it one token a step)."""
+        """How many forced tokens the grammar may give req at once (jump-forward; 0 with it
+        off, the model then decodes every token under the mask). A request that returns
+        logprobs gets each forced token's from the row that predicts it, computed by the
+        extend that feeds the text, so the budget's last token stays for the row after it."""
         if self.args.disable_jump_forward:
             return 0
-        if not req.return_logprob:
-            return req.remaining_new_tokens
-        if req.sampling.stop or req.sampling.stop_token_ids:
-            return 0
-        return req.remaining_new_tokens - 1
+        if req.return_logprob and not self._forced_one_a_step(req):
+            return req.remaining_new_tokens - 1
+        return req.remaining_new_tokens
 
     def _grammar_follow(self, req: Req) -> list[int]:
         """Tokens the grammar forces next (jump-forward); near the budget, the closing plan
