@@ -306,6 +306,41 @@ def test_a_short_budget_is_checked_from_its_first_token(engine):
     assert opened  # (the optional object was taken)
 
 
+# before each required key an optional one, which sorts first: where a key is spelled the
+# grammar takes either, and a search that spelled the first letter it takes wrote every key
+OPTIONAL_FIRST = {
+    "type": "object",
+    "properties": {k: {"type": "string", "maxLength": 2}
+                   for i in range(6) for k in (f"a{i}", f"r{i}")},
+    "required": [f"r{i}" for i in range(6)],
+    "additionalProperties": False,
+}
+
+
+def test_the_closing_spells_the_required_keys_not_the_optional_ones(engine):
+    """The closing search tries a JSON schema's required key names first where a key is
+    spelled: it took the first letter the grammar allowed, so it wrote each optional key
+    before its required one, and where only the required ones fit the budget it found no
+    closing and the output ran out unfinished (Snowplow's 14 required keys among 24: no
+    closing in 127 tokens, where one of 111 fits)."""
+    tok = engine.tokenizer
+    short = json.dumps({f"r{i}": "" for i in range(6)})
+    every = json.dumps({k: "" for i in range(6) for k in (f"a{i}", f"r{i}")})
+    least, most = len(tok.encode(short)) + 1, len(tok.encode(every))
+    # budgets between the two (the search spells the closing in more tokens than the
+    # canonical ones it ends up with, ` "",` as ` "` `"` `,`: a third more here)
+    budgets = range(least * 4 // 3 + 2, most - 2, 3)
+    assert len(budgets) >= 3
+    spec = json.dumps(OPTIONAL_FIRST)
+    params = [{"max_new_tokens": budget, "temperature": temperature, "seed": seed,
+               "json_schema": spec}
+              for budget in budgets for temperature, seed in ((0.0, 0), (1.0, 1), (1.0, 2))]
+    outs = engine.generate(["x"] * len(params), params)
+    for p, o in zip(params, outs):
+        assert finished_ok(o), (p["max_new_tokens"], o["text"], o["meta_info"])
+        jsonschema.validate(json.loads(o["text"]), OPTIONAL_FIRST)
+
+
 def test_the_closing_spells_a_key_the_grammar_does_not_force(engine):
     """After `", "` the grammar takes `reason` or `status` and forces neither: the closing
     search, whose texts are JSON punctuation and minimal values, found no way on from there,
