@@ -260,15 +260,21 @@ def test_a_token_that_opens_a_long_closing_is_checked_before_the_budget_is_tight
     Every sampled token in the window is checked (SmolLM2 wrote `"port": 8080}, "database":
     {"url":` at 32 tokens, where `}}` had fitted: `length`, incomplete). Random tokens at
     temperature 1 open "extra" at every distance from the budget."""
-    spec = json.dumps(LATE_OPENING)
+    _assert_whole_and_opened(engine, LATE_OPENING, range(8, 30, 3))
+
+
+def _assert_whole_and_opened(engine, schema: dict, budgets: range) -> None:
+    """Random outputs (temperature 1, 6 seeds) at each budget all end whole and valid, and
+    some take the schema's optional object "extra"."""
+    spec = json.dumps(schema)
     params = [{"max_new_tokens": budget, "temperature": 1.0, "seed": seed, "json_schema": spec}
-              for budget in range(8, 30, 3) for seed in range(6)]
+              for budget in budgets for seed in range(6)]
     outs = engine.generate(["x"] * len(params), params)
     opened = 0
     for p, o in zip(params, outs):
         assert finished_ok(o), (p["max_new_tokens"], o["text"], o["meta_info"])
         value = json.loads(o["text"])
-        jsonschema.validate(value, LATE_OPENING)
+        jsonschema.validate(value, schema)
         opened += "extra" in value
     assert opened  # (the optional object was taken)
 
@@ -293,17 +299,7 @@ def test_a_short_budget_is_checked_from_its_first_token(engine):
     open "extra" just before that, and by then its closing no longer fitted (SmolLM2 on the
     dev schemas at 64 tokens: `{"Records": [{"awsRegion": ...` ran out where `{"Records":
     []}` had fitted). A budget of at most 128 tokens is checked from its first token."""
-    spec = json.dumps(EARLY_OPENING)
-    params = [{"max_new_tokens": budget, "temperature": 1.0, "seed": seed, "json_schema": spec}
-              for budget in range(50, 72, 3) for seed in range(6)]
-    outs = engine.generate(["x"] * len(params), params)
-    opened = 0
-    for p, o in zip(params, outs):
-        assert finished_ok(o), (p["max_new_tokens"], o["text"], o["meta_info"])
-        value = json.loads(o["text"])
-        jsonschema.validate(value, EARLY_OPENING)
-        opened += "extra" in value
-    assert opened  # (the optional object was taken)
+    _assert_whole_and_opened(engine, EARLY_OPENING, range(50, 72, 3))
 
 
 # before each required key an optional one, which sorts first: where a key is spelled the
