@@ -79,7 +79,7 @@ class OutputCollector:
         if req.finished:
             return True
         if req.missing_output_logprobs:
-            return False  # each streamed token goes with its logprob: the next forward's
+            return False  # each streamed token goes with its logprob (the next forward's)
         new = len(req.output_ids) - req.sent_output_len
         return req.stream and new >= self.stream_interval
 

@@ -683,9 +683,10 @@ class Scheduler:
             self._emit(req, closing[:1])
             if not req.finished:
                 req.forced_ids.extend(closing[1:])  # emitted one per decode step
-        elif req.return_logprob:
+        elif req.return_logprob and len(closing) > 1:
             # the closing's text at once, its EOS fed after it: the forward that computes the
-            # text's rows gives their logprobs, and its last row EOS's
+            # text's rows gives their logprobs, and its last row EOS's (a closing of EOS alone
+            # is emitted below: its logprob is the sampled token's row's, recorded above)
             self._emit(req, closing[:-1])
             if not req.finished:
                 req.forced_ids.append(closing[-1])
