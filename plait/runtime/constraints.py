@@ -42,8 +42,10 @@ CLOSE_SHORTEST_DEPTH = 6
 # distinct strings, each encoded hundreds of times a batch)
 FORCED_ENCODINGS = 4096
 # the closing search tries the first tokens of at most this many of a JSON schema's required
-# key names first where a key is spelled
+# key names first where a key is spelled; they are kept for this many schemas (a schema's
+# text is the key: a dev-set schema runs to 370 KB)
 REQUIRED_KEY_TOKENS = 256
+REQUIRED_KEY_SCHEMAS = 64
 # short texts from which a closing is assembled (punctuation, minimal values)
 # (tried in this order: compound closers, closers, separators, minimal values, then fillers
 # that only extend a value; a filler before a separator would make the first plan found
@@ -489,7 +491,7 @@ class ConstraintTracker:
                 enc = self.tokenizer.encode(name, add_special_tokens=False)
                 if enc and enc[0] not in first:
                     first.append(enc[0])
-            if len(self._required_keys) >= FORCED_ENCODINGS:
+            if len(self._required_keys) >= REQUIRED_KEY_SCHEMAS:
                 self._required_keys.clear()
             ids = self._required_keys[spec] = np.array(first[:REQUIRED_KEY_TOKENS], dtype=np.int64)
         return ids if len(ids) else None
