@@ -14,7 +14,9 @@ rewritten into a core that uses only:
 
 Every other assertion keyword is either rewritten exactly into those (allOf -> merged,
 oneOf -> anyOf when its branches provably cannot overlap, enum/const filtered by the sibling
-keywords with jsonschema itself, type lists -> anyOf, draft-4 forms, `items` arrays) or refused
+keywords with jsonschema itself, type lists -> anyOf, draft-4 forms, `items` arrays,
+dependencies / dependentRequired / dependentSchemas -> anyOf over the conditional keys' presence,
+`not` of an always-true schema -> false) or refused
 with a GrammarError naming the keyword and its JSON path. Outputs may be a *subset* of what the
 schema allows (objects and arrays carry only declared members, patterns match whole strings,
 one spelling per escape), never a superset. Annotations and unknown keywords have no validation
@@ -23,6 +25,7 @@ effect and are ignored.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -35,7 +38,7 @@ import jsonschema.validators
 
 from plait.grammar.base import GrammarError
 from plait.grammar.formats import FORMAT_PATTERNS, SPEC_FORMATS
-from plait.grammar.regex_syntax import json_string_regex
+from plait.grammar.regex_syntax import json_key_regex, json_string_regex
 
 # Keywords with a validation effect in some draft (3 to 2020-12). Everything else is an
 # annotation (title, description, default, examples, $comment, readOnly, ...) or unknown.
@@ -93,6 +96,10 @@ _MAX_KEYWORDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxPro
 _MAX_MERGE_DEPTH = 32
 # integer ranges up to this many values become an exact enum where bounds alone do not work
 _SMALL_RANGE = 128
+DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
+# an object's dependencies become one anyOf branch per combination of its conditional keys
+# (each absent, or present with what it brings): at most this many keys, 2**4 = 16 branches
+_MAX_CONDITIONAL_KEYS = 4
 
 
 @dataclass(frozen=True)
@@ -135,8 +142,14 @@ def _error(message: str) -> GrammarError:
     return GrammarError(f"json_schema: {message}", "json_schema")
 
 
+class _Unsatisfiable(GrammarError):
+    """No value passes the schema at some path (a dependency branch may drop it; elsewhere it
+    is the user's error like any other GrammarError)."""
+
+
 def _unsatisfiable(path: str, why: str) -> GrammarError:
-    return _error(f"the schema at {path} cannot be satisfied ({why})")
+    return _Unsatisfiable(f"json_schema: the schema at {path} cannot be satisfied ({why})",
+                          "json_schema")
 
 
 def _canon(value: Any) -> str:
@@ -235,6 +248,11 @@ class _Normalizer:
         if not isinstance(schema, dict):
             raise _error(f"{path} is not a schema (expected an object or a boolean)")
         s = _assertions(schema)
+        if "not" in s:
+            if s["not"] is True or (isinstance(s["not"], dict) and not _assertions(s["not"])):
+                return False  # not of a schema that everything passes: nothing passes
+            if s["not"] is False:
+                s = _without(s, "not")
         if "enum" in s or "const" in s:
             return self.enum(schema, s, path)
         if "$ref" in s:
@@ -347,7 +365,8 @@ class _Normalizer:
                 out[key] = value
             elif key in ASSERTION_KEYWORDS and _canon(out[key]) != _canon(value):
                 out[key] = self.merge_keyword(key, out[key], value, path)
-        if {"properties", "additionalProperties", "patternProperties"} & (a.keys() | b.keys()):
+        members = {"properties", "additionalProperties", "patternProperties"}
+        if members & a.keys() and members & b.keys():  # else one side's members stand as they are
             out.update(self.merge_objects(a, b, path))
         return out
 
@@ -409,9 +428,14 @@ class _Normalizer:
         raws, cores = [], []
         for i, branch in enumerate(s[key]):
             where = _at(_at(path, key), i)
-            # oneOf needs each branch's own keywords (to prove exclusivity): expand its $ref
-            raw = self.merge_all([rest, branch], where) if rest or key == "oneOf" else branch
-            core = self.node(raw, where)
+            names, defs = dict(self.def_names), dict(self.defs)
+            try:
+                # oneOf needs each branch's own keywords (to prove exclusivity): expand its $ref
+                raw = self.merge_all([rest, branch], where) if rest or key == "oneOf" else branch
+                core = self.node(raw, where)
+            except _Unsatisfiable:  # no value passes this branch: it adds nothing
+                self.def_names, self.defs = names, defs
+                continue
             if core is not False:
                 raws.append(raw)
                 cores.append(core)
@@ -629,6 +653,8 @@ class _Normalizer:
 
     # ------------------------------------------------------------------ objects
     def object(self, s: dict, path: str) -> Any:
+        if any(k in s for k in DEPENDENCY_KEYWORDS):
+            return self.dependent(s, path)
         self.needs(s, OBJECT_KEYWORDS - {"minProperties", "maxProperties"}, path)
         additional = s.get("additionalProperties")
         unevaluated = s.get("unevaluatedProperties")
@@ -648,22 +674,110 @@ class _Normalizer:
         )
         if patterns:
             (regex, sub), = patterns.items()
-            key = json_string_regex(regex, where=_at(path, "patternProperties"))
-            out["patternProperties"] = {key: self.node(sub, _at(path, "patternProperties"))}
+            where = _at(path, "patternProperties")
+            names = [n for n in props if re.search(regex, n)]
+            key = json_key_regex(regex, names) if names else json_string_regex(regex, where=where)
+            if key is None:  # a pattern key could repeat a declared name (and skip its schema)
+                raise _error(f"keyword 'patternProperties' at {path} is not supported when its "
+                             f"pattern matches the declared property {names[0]!r} (unless the "
+                             "pattern is one character class repeated)")
+            out["patternProperties"] = {key: self.node(sub, where)}
         if "propertyNames" in s:
             self.property_names(s["propertyNames"], out, path)
         self.property_counts(s, out, path)
+        return out
+
+    def dependent(self, s: dict, path: str) -> Any:
+        """An object with dependencies (draft 4-7), dependentRequired or dependentSchemas
+        (2019-09 on), exactly: a key whose dependency always applies (it is required) merges
+        it in; a conditional key (optional, may appear) doubles the object into a branch
+        without the key and one with the key required together with what it brings. The anyOf
+        of the satisfiable combinations allows what the schema allows (within the core's
+        subset: declared members only)."""
+        rest = {**_without(s, *DEPENDENCY_KEYWORDS), "type": "object"}
+        required = set(rest.get("required", []))
+        declared = rest.get("properties") or {}
+        closed = (rest.get("additionalProperties") in (None, False)
+                  and not rest.get("patternProperties"))
+        always: list = []
+        conditional: dict[str, list] = {}
+        for key, extra in self.dependencies(s, path).items():
+            if key in required:
+                always += extra
+            elif closed and key not in declared:
+                continue  # the key never appears
+            elif all(_requires(d) <= required for d in extra):
+                continue  # whatever the key brings is required anyway
+            elif not closed:
+                raise _error(f"keyword 'dependencies' at {path} is not supported on an object "
+                             f"that allows undeclared properties (the key {key!r} could not be "
+                             "kept out)")
+            else:
+                conditional[key] = extra
+        if len(conditional) > _MAX_CONDITIONAL_KEYS:
+            raise _error(f"keyword 'dependencies' at {path} is not supported with more than "
+                         f"{_MAX_CONDITIONAL_KEYS} optional keys that bring dependencies "
+                         f"({len(conditional)} here: {sorted(conditional)})")
+        if conditional:
+            self.need("anyOf", path)
+        cores: list = []
+        first_error: GrammarError | None = None
+        for present in itertools.product((True, False), repeat=len(conditional)):
+            parts = [rest, *always]
+            absent = {k: False for k, p in zip(conditional, present) if not p}
+            if absent:
+                parts.append({"properties": absent})
+            for (key, extra), p in zip(conditional.items(), present):
+                if p:
+                    parts += [{"required": [key]}, *extra]
+            names, defs = dict(self.def_names), dict(self.defs)
+            try:
+                core = self.node(self.merge_all(parts, path), path)
+            except _Unsatisfiable as e:  # this combination cannot hold; undo its $defs
+                self.def_names, self.defs = names, defs
+                first_error = first_error or e
+                continue
+            if core is not False and all(_canon(core) != _canon(c) for c in cores):
+                cores.append(core)
+        if not cores:
+            raise first_error or _unsatisfiable(path, "no combination of its dependencies holds")
+        return cores[0] if len(cores) == 1 else {"anyOf": cores}
+
+    @staticmethod
+    def dependencies(s: dict, path: str) -> dict[str, list]:
+        """key -> the raw schemas an object must also pass when it has the key (a list of
+        names is the schema that requires them)."""
+        out: dict[str, list] = {}
+        for keyword in DEPENDENCY_KEYWORDS:
+            value = s.get(keyword)
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise _error(f"{keyword} at {path} must be an object")
+            for key, dep in value.items():
+                where = _at(_at(path, keyword), key)
+                if isinstance(dep, list) and keyword != "dependentSchemas":
+                    if not all(isinstance(n, str) for n in dep):
+                        raise _error(f"{where} must be a list of property names")
+                    dep = {"required": list(dep)}
+                elif keyword == "dependentRequired" or not isinstance(dep, (dict, bool)):
+                    raise _error(f"{where} must be a "
+                                 + ("list of property names" if keyword == "dependentRequired"
+                                    else "schema"))
+                out.setdefault(key, []).append(dep)
         return out
 
     def properties(self, s: dict, required: list, additional: Any, patterns: dict, path: str):
         props = {}
         raw = s.get("properties") or {}
         for name in list(raw) + [r for r in required if r not in raw]:
-            if any(re.search(p, name) for p in patterns):
-                raise _error(f"keyword 'patternProperties' at {path} is not supported when its "
-                             f"pattern matches the declared property {name!r}")
-            sub = raw.get(name, True if additional is None else additional)
-            core = self.node(sub, _at(_at(path, "properties"), name))
+            where = _at(_at(path, "properties"), name)
+            matching = [sub for p, sub in patterns.items() if re.search(p, name)]
+            if matching:  # the name's value passes the pattern's schema too
+                sub = self.merge_all([raw.get(name, True), *matching], where)
+            else:
+                sub = raw.get(name, True if additional is None else additional)
+            core = self.node(sub, where)
             if core is False:
                 if name in required:
                     raise _unsatisfiable(path, f"required property {name!r} cannot be present")
@@ -778,6 +892,14 @@ def _closed_object(core: Any) -> bool:
         and core.get("additionalProperties") is False
         and "patternProperties" not in core
     )
+
+
+def _requires(schema: Any) -> set[str]:
+    """The names a dependency requires when that is all it asserts (else a name no object
+    has, so that it never counts as already satisfied)."""
+    if isinstance(schema, dict) and set(schema) == {"required"}:
+        return set(schema["required"])
+    return {"\0not only required"}
 
 
 def _valid_bool(schema: bool) -> bool:

@@ -288,11 +288,12 @@ _CLASS_META = frozenset("\\]^-[&~")
 
 
 def _char_text(code: int, in_class: bool) -> str:
-    if code < 0x20 or code == 0x7F:
-        return f"\\x{code:02x}"
-    if 0x80 <= code <= 0x9F:
+    # \uXXXX, never \xXX: xgrammar reads every hex digit after \x (`[\x01a]` is U+001A)
+    if code < 0x20 or 0x7F <= code <= 0x9F:
         return f"\\u{code:04x}"
     ch = chr(code)
+    if ch in "&~" and in_class:  # escaped for Python's and Rust's set operations (&&, ~~);
+        return f"\\u{code:04x}"  # as \& or \~ xgrammar warns of an unknown escape each time
     return "\\" + ch if ch in (_CLASS_META if in_class else _META) else ch
 
 
@@ -303,7 +304,14 @@ def _class_text(s: CharSet) -> str:
     for lo, hi in s:
         parts.append(_char_text(lo, True) if lo == hi else
                      f"{_char_text(lo, True)}-{_char_text(hi, True)}")
+    # xgrammar re-prints a class's escapes as \xNN or unpadded \uNNN and then reads every hex
+    # digit after them (`[\u0001a]` became U+001A): the parts that start with a hex digit go
+    # first, so that no escape is ever followed by one (the set is the same in any order)
+    parts.sort(key=lambda text: text[0] not in _HEX_DIGITS)
     return "[" + "".join(parts) + "]"
+
+
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 
 def _json_escapes(s: CharSet) -> list[str]:
@@ -415,9 +423,51 @@ def json_string_regex(
     has between min_len and max_len characters. Escapes count as one character."""
     node = parse(pattern, "json_schema") if pattern is not None else Repeat(ANY_CHAR, 0, None)
     node = fold_length(node, min_len, max_len, where)
+    return _json_text(node)
+
+
+def _json_text(node: Node) -> str:
     text = to_regex(node, json=True)
     # outlines splices the pattern between quotes as is: a top-level | must not escape them
     return f"(?:{text})" if "|" in _top_level(text) else text
+
+
+def json_key_regex(pattern: str, exclude: list[str]) -> str | None:
+    """json_string_regex(pattern) less the strings in `exclude` (an object's declared property
+    names, which a patternProperties key must not repeat), or None when the pattern is not one
+    character set repeated (X* or X+, as property-name patterns usually are): the complement
+    is then spelled from a trie of the names, any other character leading back to X*."""
+    node = parse(pattern, "json_schema")
+    if not (isinstance(node, Repeat) and isinstance(node.item, Char) and node.hi is None
+            and node.lo <= 1):
+        return None
+    x = node.item.chars
+    trie: dict = {}
+    for word in exclude:
+        level = trie
+        for ch in word:
+            level = level.setdefault(ch, {})
+        level[None] = {}  # the word ends here
+
+    def rest(level: dict, start: bool) -> Node | None:
+        """The continuations from a trie node that spell no excluded word."""
+        options: list[Node] = []
+        if None not in level and not (start and node.lo == 1):
+            options.append(EMPTY)
+        kids = [c for c in level if c is not None and intersect(x, chars(c))]
+        other = subtract(x, chars(*kids)) if kids else x
+        if other:
+            options.append(Seq((Char(other), Repeat(Char(x), 0, None))))
+        for c in kids:
+            after = rest(level[c], False)
+            if after is not None:
+                options.append(Seq((Char(chars(c)), after)))
+        if not options:
+            return None
+        return options[0] if len(options) == 1 else Alt(tuple(options))
+
+    tree = rest(trie, True)
+    return None if tree is None else _json_text(tree)
 
 
 def fold_length(node: Node, min_len: int, max_len: int | None, where: str) -> Node:

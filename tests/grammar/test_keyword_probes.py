@@ -26,6 +26,7 @@ def s(**kw) -> dict:
 
 
 OBJ3 = {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}
+DRAFT7 = "http://json-schema.org/draft-07/schema#"  # `dependencies` (2019-09 on: dependent*)
 PROBES: dict[str, dict] = {
     "minLength": s(minLength=5),
     "maxLength": s(maxLength=2),
@@ -81,7 +82,38 @@ PROBES: dict[str, dict] = {
     "maxProperties": {"type": "object", "properties": OBJ3, "maxProperties": 1},
     "minProperties open": {"type": "object", "additionalProperties": True, "minProperties": 2},
     "dependentRequired": {"type": "object", "properties": OBJ3, "dependentRequired": {"a": ["b"]}},
-    "dependencies": {"type": "object", "properties": OBJ3, "dependencies": {"a": ["b"]}},
+    "dependencies": {"$schema": DRAFT7, "type": "object", "properties": OBJ3,
+                     "dependencies": {"a": ["b"]}},
+    "dependencies schema": {
+        "$schema": DRAFT7, "type": "object", "properties": OBJ3,
+        "dependencies": {"a": {"properties": {"b": {"enum": [5, 6]}, "c": False},
+                               "required": ["b"]}}},
+    "dependentSchemas anyOf": {"type": "object", "properties": OBJ3, "dependentSchemas": {
+        "b": {"anyOf": [{"required": ["a"]}, {"properties": {"c": {"const": -1}}}]}}},
+    "dependencies chained": {
+        "$schema": DRAFT7, "type": "object", "properties": OBJ3,
+        "dependencies": {"a": ["b"], "b": ["c"], "c": {"properties": {"a": {"const": 2}}}}},
+    "dependencies of a required key": {"type": "object", "properties": OBJ3, "required": ["a"],
+                                       "dependentRequired": {"a": ["c"]}},
+    "dependencies open object": {
+        "$schema": DRAFT7, "type": "object", "properties": OBJ3, "dependencies": {"a": ["b"]},
+        "additionalProperties": {"type": "integer"}},
+    "dependencies of five keys": {"type": "object", "properties": {
+        k: {"type": "integer"} for k in "abcdef"}, "dependentRequired": {
+        k: ["f"] for k in "abcde"}},
+    "anyOf with an unsatisfiable branch": {"anyOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"],
+         "additionalProperties": False}, {"type": "integer"}]},
+    "$ref to patternProperties with siblings": {
+        "$defs": {"d": {"patternProperties": {"^x[0-9]$": {"type": "integer"}}}},
+        "$ref": "#/$defs/d", "type": "object"},
+    "not of true": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"not": {}}}},
+    "patternProperties over a declared name": {
+        "type": "object", "properties": {"ab": {"type": "integer", "maximum": 3}},
+        "patternProperties": {"^[ab]+$": {"type": "integer", "minimum": 0}}},
+    "patternProperties of every name": {
+        "type": "object", "properties": {"by": {"type": "string", "maxLength": 2}},
+        "required": ["by"], "patternProperties": {".*": {"type": "string"}}},
     "if/then/else": {"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}},
     "prefixItems": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}]},
     "items list (draft 7)": {"$schema": "http://json-schema.org/draft-07/schema#",
@@ -117,8 +149,11 @@ REFUSED = {
     "minProperties": OUTLINES,
     "maxProperties": OUTLINES,
     "minProperties open": BOTH,
-    "dependentRequired": BOTH,
-    "dependencies": BOTH,
+    "dependencies open object": BOTH,
+    "dependencies of five keys": BOTH,
+    "patternProperties over a declared name": OUTLINES,
+    "$ref to patternProperties with siblings": OUTLINES,
+    "patternProperties of every name": OUTLINES,
     "if/then/else": BOTH,
     "contains": BOTH,
     "property name quote": OUTLINES,
@@ -175,6 +210,34 @@ def test_supported_features_lists(backends):
     assert "ebnf" in backends["xgrammar"].supported_features()["kinds"]
     assert "ebnf" not in backends["outlines"].supported_features()["kinds"]
     assert "minimum" in backends["outlines"].supported_features()["json_schema"]["refused_keywords"]
+
+
+@pytest.mark.parametrize(("probe", "texts"), [
+    ("dependencies", {'{"a": 1, "b": 2}': True, '{"b": 2, "c": 3}': True, "{}": True,
+                      '{"a": 1}': False, '{"a": 1, "c": 3}': False}),
+    ("dependencies schema", {'{"a": 1, "b": 5}': True, '{"b": 1, "c": 1}': True,
+                             '{"a": 1, "b": 1}': False, '{"a": 1, "b": 5, "c": 1}': False}),
+    ("dependencies chained", {'{"a": 2, "b": 1, "c": 1}': True, '{"c": 1}': True,
+                              '{"a": 2, "b": 1}': False,
+                              '{"a": 1, "b": 1, "c": 1}': False, '{"b": 1}': False}),
+    ("not of true", {'{"a": 1}': True, '{"a": 1, "b": 1}': False}),
+    ("patternProperties over a declared name", {
+        '{"ab": 3, "a": 9}': True, '{"ba": 7}': True, '{"ab": 9}': False,
+        '{"ab": 1, "ab": 9}': False, '{"a": 9, "ab": 9}': False}),
+    ("patternProperties of every name", {
+        '{"by": "xy", "z": "long"}': True, '{"by": "long"}': False,
+        '{"by": "x", "by": "long"}': False}),
+])
+def test_rewritten_keywords_accept_exactly_the_valid_texts(backends, tokenizer, probe, texts):
+    """The rewrites above, checked on chosen texts (random walks seldom reach the cases that
+    matter: a dependency's key present, a pattern key spelling a declared name)."""
+    validator = validator_for(PROBES[probe])
+    for text, valid in texts.items():
+        assert validator.is_valid(json.loads(text)) == valid, text  # the case is what it says
+        matcher = backends["xgrammar"].compile("json_schema", json.dumps(PROBES[probe])).matcher()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        accepted = all(matcher.accept_token(i) for i in ids) and matcher.can_terminate()
+        assert accepted == valid, (probe, text)
 
 
 # ----------------------------------------------------------------------------- raw engines

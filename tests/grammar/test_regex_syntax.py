@@ -20,6 +20,7 @@ from plait.grammar.regex_syntax import (
     Node,
     Seq,
     choices_regex,
+    json_key_regex,
     json_string_regex,
     normalize_regex,
     parse,
@@ -145,3 +146,37 @@ def test_uri_hosts_have_no_counted_label_repetition():
     assert "{0,61}" not in uri and "{0,2}" not in uri
     assert re.fullmatch(uri, "https://" + "a" * 100 + ".example.org:8080/x?y=1")
     assert not re.fullmatch(FORMAT_PATTERNS["hostname"], "a" * 64)
+
+
+@pytest.mark.parametrize(("pattern", "names"), [
+    ("^[ab]*$", ["", "a", "ab", "bab"]),
+    ("^[ab]+$", ["b", "ba", "/"]),  # "/" is no key of the pattern: nothing to take out
+    (".*", ["ab", "a/b", "a"]),
+])
+def test_key_regex_leaves_out_exactly_the_declared_names(pattern, names):
+    key = json_key_regex(pattern, names)
+    words = [""] + ["".join(p) for n in range(1, 5) for p in __import__("itertools").product(
+        "ab/", repeat=n)]
+    for word in words:
+        expected = re.fullmatch(pattern.strip("^$"), word) is not None and word not in names
+        assert (re.fullmatch(key, word) is not None) == expected, (pattern, names, word, key)
+
+
+def test_key_regex_refuses_patterns_it_cannot_complement():
+    assert json_key_regex("^x[0-9]+$", ["x1"]) is None
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+@pytest.mark.parametrize(("pattern", "text"), [
+    ("a\t1", "a\t1"),  # a control character printed before a hex digit
+    ("[\x01a]+", "aa"),
+    ("[&b]+", "&b"),  # class characters escaped against set operations
+    ("[~a]+", "a~"),
+])
+def test_printed_escapes_mean_the_same_character_to_each_backend(backends, tokenizer,
+                                                                 backend_name, pattern, text):
+    assert re.fullmatch(pattern, text)
+    matcher = backends[backend_name].compile("regex", pattern).matcher()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert all(matcher.accept_token(i) for i in ids) and matcher.can_terminate(), (
+        normalize_regex(pattern))
