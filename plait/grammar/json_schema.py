@@ -38,7 +38,7 @@ import jsonschema.validators
 
 from plait.grammar.base import GrammarError
 from plait.grammar.formats import FORMAT_PATTERNS, SPEC_FORMATS
-from plait.grammar.regex_syntax import json_key_regex, json_string_regex
+from plait.grammar.regex_syntax import json_key_regex, json_string_regex, json_string_regex_not
 
 # Keywords with a validation effect in some draft (3 to 2020-12). Everything else is an
 # annotation (title, description, default, examples, $comment, readOnly, ...) or unknown.
@@ -73,14 +73,21 @@ ANNOTATION_KEYWORDS = (
     "deprecated", "readOnly", "writeOnly", "$anchor", "$dynamicAnchor", "$defs", "definitions",
     "contentEncoding", "contentMediaType", "contentSchema", "$vocabulary",
 )
+# plait's schema-to-grammar translation (this module, regex_syntax.py, xgrammar_patterns.py):
+# a new number when it changes, so that --grammar-cache-dir never serves grammars of the
+# earlier forms (2: whole strings as shared ladders of rules; 3: dependencies, not,
+# patternProperties over declared names, class escapes printed for xgrammar's class parser)
+TRANSLATION = 3
+DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
 # keywords every backend enforces once plait has rewritten the schema (some conditionally:
-# oneOf if disjoint, allOf if mergeable, uniqueItems if trivially true, formats in formats.py)
+# oneOf if disjoint, allOf if mergeable, uniqueItems if trivially true, formats in formats.py,
+# not of one type / required list / pattern, dependencies of at most 4 optional keys)
 CORE_KEYWORDS = frozenset(
     {
         "type", "enum", "const", "allOf", "anyOf", "oneOf", "$ref", "properties", "required",
         "additionalProperties", "items", "prefixItems", "additionalItems", "minItems",
         "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "format",
-        "unevaluatedProperties", "unevaluatedItems",
+        "unevaluatedProperties", "unevaluatedItems", "not", *DEPENDENCY_KEYWORDS,
     }
 )
 _FAMILY_TYPE = (
@@ -96,7 +103,6 @@ _MAX_KEYWORDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxPro
 _MAX_MERGE_DEPTH = 32
 # integer ranges up to this many values become an exact enum where bounds alone do not work
 _SMALL_RANGE = 128
-DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
 # an object's dependencies become one anyOf branch per combination of its conditional keys
 # (each absent, or present with what it brings): at most this many keys, 2**4 = 16 branches
 _MAX_CONDITIONAL_KEYS = 4
@@ -263,8 +269,72 @@ class _Normalizer:
             return self.node(self.merge_all(list(s["allOf"]) + [_without(s, "allOf")], path), path)
         if "anyOf" in s or "oneOf" in s:
             return self.union(s, path)
+        if "not" in s:
+            return self.negation(s, path)
         self.check_general(s, path)
         return self.typed(s, path)
+
+    def negation(self, s: dict, path: str) -> Any:
+        """`not` of a schema that asserts one thing, exactly: {type} removes types; {required}
+        (non-objects pass it, so only objects remain) drops one of the names from a closed
+        object; {pattern} (only strings remain) is the pattern's complement where
+        regex_syntax can spell it. Anything else is refused."""
+        negated, rest = s["not"], _without(s, "not")
+        where = _at(path, "not")
+        self.need("not", path)
+        n = _assertions(negated) if isinstance(negated, dict) else {}
+        keyword, value = next(iter(n.items())) if len(n) == 1 else (None, None)
+        if keyword == "type":
+            excluded = set(_type_list(value))
+            excluded |= {"integer"} if "number" in excluded else set()
+            # (a number that is not an integer is dropped whole: a subset)
+            kept = [t for t in self.type_options(rest)
+                    if t not in excluded and not (t == "number" and "integer" in excluded)]
+            if not kept:
+                raise _unsatisfiable(path, "not excludes every type the schema allows")
+            return self.node({**rest, "type": kept}, path)
+        if keyword == "required" and isinstance(value, list) and value:
+            if "type" in rest and "object" not in _type_list(rest["type"]):
+                raise _unsatisfiable(path, "not: {required} leaves only objects")
+            core = self.node({**rest, "type": "object"}, path)
+            options = [o for b in (core["anyOf"] if "anyOf" in core else [core])
+                       for o in self.without_one_of(b, value, where)]
+            if not options:
+                raise _unsatisfiable(path, "every object it allows has the names not excludes")
+            return options[0] if len(options) == 1 else {"anyOf": options}
+        if keyword == "pattern" and isinstance(value, str) and not (
+            {"pattern", "format"} & rest.keys()
+        ) and ("type" not in rest or "string" in _type_list(rest["type"])):
+            self.needs(rest, STRING_KEYWORDS, path)
+            regex = json_string_regex_not(value, _count(rest, "minLength", path) or 0,
+                                          _count(rest, "maxLength", path), path)
+            if regex is not None:
+                return {"type": "string", "pattern": regex}
+        raise _error(f"keyword 'not' at {path} is not supported here: {where} is not one "
+                     "type, required list or anchored pattern that plait can negate exactly")
+
+    def type_options(self, s: dict) -> list[str]:
+        """The types a schema's outputs may have (as typed() reads them)."""
+        if "type" in s:
+            return _type_list(s["type"])
+        families = list(dict.fromkeys(FAMILY_OF[k] for k in s if k in FAMILY_OF))
+        return families or list(JSON_TYPES)
+
+    def without_one_of(self, core: Any, names: list, where: str) -> list:
+        """Variants of a core object, each unable to write one of `names` (together: the
+        objects that lack at least one of them)."""
+        if not _closed_object(core):
+            raise _error(f"keyword 'not' at {where} is not supported here: the object allows "
+                         "undeclared properties, which could spell the names it excludes")
+        out = []
+        for name in names:
+            if name in core["required"]:
+                continue
+            props = {k: v for k, v in core["properties"].items() if k != name}
+            variant = {**core, "properties": props}
+            if all(_canon(variant) != _canon(o) for o in out):
+                out.append(variant)
+        return out
 
     def check_general(self, s: dict, path: str) -> None:
         for keyword in s:

@@ -26,6 +26,7 @@ from plait.grammar.bitmask import allow_only, copy_row, words_for
 from plait.grammar.json_schema import (
     ANNOTATION_KEYWORDS,
     CORE_KEYWORDS,
+    TRANSLATION,
     SchemaPolicy,
     map_subschemas,
     prepare_schema,
@@ -175,7 +176,8 @@ class OutlinesBackend(GrammarBackend):
         import importlib.metadata
 
         version = importlib.metadata.version("outlines_core")
-        return f"outlines-{version}-ws{int(self.any_whitespace)}.{self.max_whitespace}"
+        return (f"outlines-{version}-p{TRANSLATION}-ws{int(self.any_whitespace)}."
+                f"{self.max_whitespace}")
 
     @classmethod
     def supported_features(cls) -> dict:
@@ -192,6 +194,10 @@ class OutlinesBackend(GrammarBackend):
                     "json_object nests objects/arrays two levels (a subset)",
                     "oneOf only when its branches cannot overlap; allOf when they merge exactly",
                     "pattern is matched against the whole string",
+                    "not only of one type list, one required list (closed objects) or one "
+                    "pattern anchored at both ends that repeats one character class",
+                    "dependencies / dependentRequired / dependentSchemas on closed objects, at "
+                    "most 4 optional keys bringing them",
                 ],
             },
             "regex": {

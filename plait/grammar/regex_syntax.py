@@ -432,14 +432,45 @@ def _json_text(node: Node) -> str:
     return f"(?:{text})" if "|" in _top_level(text) else text
 
 
+def _repeated_set(node: Node) -> Repeat | None:
+    """node if it is one character set repeated without bound (X* or X+), else None."""
+    if (isinstance(node, Repeat) and isinstance(node.item, Char) and node.hi is None
+            and node.lo <= 1):
+        return node
+    return None
+
+
+def json_string_regex_not(pattern: str, min_len: int, max_len: int | None,
+                          where: str) -> str | None:
+    """Regex for the contents of a JSON string (min_len..max_len characters) whose value does
+    *not* match `pattern` (`not: {pattern: ...}`): for a pattern anchored at both ends that is
+    one character set X repeated (^X+$, ^X*$), the values with a character outside X (and,
+    for ^X+$, the empty string). None for other patterns: an unanchored one searches, and the
+    complement of plait's anchored subset of it would be a superset."""
+    if not (pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")):
+        return None
+    node = _repeated_set(parse(pattern, "json_schema"))
+    if node is None:
+        return None
+    # Python's $ (jsonschema's) also matches before a final newline: a newline is not the
+    # outside character (`X+` then a newline still matches)
+    outside = subtract(subtract(VALID, node.item.chars), chars("\n"))
+    if not outside:
+        return None
+    anything = Repeat(ANY_CHAR, 0, None)
+    tree: Node = Seq((anything, Char(outside), anything))
+    if node.lo == 1:
+        tree = Alt((EMPTY, tree))
+    return _json_text(fold_length(tree, min_len, max_len, where))
+
+
 def json_key_regex(pattern: str, exclude: list[str]) -> str | None:
     """json_string_regex(pattern) less the strings in `exclude` (an object's declared property
     names, which a patternProperties key must not repeat), or None when the pattern is not one
     character set repeated (X* or X+, as property-name patterns usually are): the complement
     is then spelled from a trie of the names, any other character leading back to X*."""
-    node = parse(pattern, "json_schema")
-    if not (isinstance(node, Repeat) and isinstance(node.item, Char) and node.hi is None
-            and node.lo <= 1):
+    node = _repeated_set(parse(pattern, "json_schema"))
+    if node is None:
         return None
     x = node.item.chars
     trie: dict = {}

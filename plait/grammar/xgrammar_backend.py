@@ -24,6 +24,7 @@ from plait.grammar.bitmask import allow_only, copy_row
 from plait.grammar.json_schema import (
     ANNOTATION_KEYWORDS,
     CORE_KEYWORDS,
+    TRANSLATION,
     SchemaPolicy,
     prepare_schema,
 )
@@ -40,12 +41,6 @@ POLICY = SchemaPolicy(
         "divisibleBy", "patternProperties", "propertyNames", "minProperties", "maxProperties",
     },
 )
-
-
-# plait's schema-to-grammar translation (json_schema.py, xgrammar_patterns.py): a new number
-# when it changes, so that --grammar-cache-dir never serves grammars of the earlier forms
-# (2: whole strings as shared ladders of rules)
-TRANSLATION = 2
 
 
 class XGrammarBackend(GrammarBackend):
@@ -181,6 +176,10 @@ _SCHEMA_NOTES = [
     "(\\n, \\u00XX) counts its 2 or 6 characters, so strings with escapes may end shorter "
     "than maxLength allows (never longer)",
     "multipleOf on whole numbers only; uniqueItems only when maxItems <= 1",
+    "not only of one type list, one required list (closed objects) or one pattern anchored at "
+    "both ends that repeats one character class",
+    "dependencies / dependentRequired / dependentSchemas on closed objects, at most 4 optional "
+    "keys bringing them",
 ]
 _REGEX_NOTES = {
     "dialect": "Python re (what re.fullmatch accepts), matched against the whole output",

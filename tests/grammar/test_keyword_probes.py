@@ -107,6 +107,12 @@ PROBES: dict[str, dict] = {
     "$ref to patternProperties with siblings": {
         "$defs": {"d": {"patternProperties": {"^x[0-9]$": {"type": "integer"}}}},
         "$ref": "#/$defs/d", "type": "object"},
+    "not type": {"type": ["string", "integer", "null"], "not": {"type": ["string", "null"]}},
+    "not required": {"type": "object", "properties": OBJ3, "not": {"required": ["a", "b"]}},
+    "not anchored pattern": {"type": "string", "minLength": 1,
+                             "not": {"pattern": "^[a-c ]+$"}},
+    "not unanchored pattern": {"type": "string", "not": {"pattern": "[0-9]"}},
+    "not of two keywords": {"not": {"type": "string", "maxLength": 3}},
     "not of true": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"not": {}}}},
     "patternProperties over a declared name": {
         "type": "object", "properties": {"ab": {"type": "integer", "maximum": 3}},
@@ -141,7 +147,8 @@ REFUSED = {
     "multipleOf fraction": BOTH,
     "uniqueItems": BOTH,
     "oneOf overlapping": BOTH,
-    "not": BOTH,
+    "not unanchored pattern": BOTH,
+    "not of two keywords": BOTH,
     "remote $ref": BOTH,
     "additionalProperties schema": OUTLINES,
     "patternProperties": OUTLINES,
@@ -205,7 +212,8 @@ def test_supported_features_lists(backends):
         features = type(backend).supported_features()
         keywords = features["json_schema"]
         assert "uniqueItems" in keywords["supported_keywords"]  # conditionally (maxItems <= 1)
-        assert "not" in keywords["refused_keywords"]
+        assert "if" in keywords["refused_keywords"]
+        assert "not" in keywords["supported_keywords"]  # conditionally: see the notes
         assert "title" in keywords["ignored_keywords"]
     assert "ebnf" in backends["xgrammar"].supported_features()["kinds"]
     assert "ebnf" not in backends["outlines"].supported_features()["kinds"]
@@ -221,6 +229,11 @@ def test_supported_features_lists(backends):
                               '{"a": 2, "b": 1}': False,
                               '{"a": 1, "b": 1, "c": 1}': False, '{"b": 1}': False}),
     ("not of true", {'{"a": 1}': True, '{"a": 1, "b": 1}': False}),
+    ("not type", {"3": True, '"x"': False, "null": False}),
+    ("not required", {'{"a": 1}': True, '{"b": 1, "c": 3}': True, '{"a": 1, "b": 2}': False,
+                      '{"a": 1, "b": 2, "c": 3}': False}),
+    ("not anchored pattern", {'"abd"': True, '"a b-"': True, '"ab"': False, '""': False,
+                              '"a\\n"': False}),  # Python's $ matches before a final newline
     ("patternProperties over a declared name", {
         '{"ab": 3, "a": 9}': True, '{"ba": 7}': True, '{"ab": 9}': False,
         '{"ab": 1, "ab": 9}': False, '{"a": 9, "ab": 9}': False}),
