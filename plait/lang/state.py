@@ -99,6 +99,13 @@ class ProgramState:
 
     __getitem__ = get_var
 
+    def __contains__(self, name: str) -> bool:
+        """`"x" in s`: whether variable x is set, once what would set it has run (without
+        this, `in` falls back to `s[0]`, `s[1]`, ... and raises KeyError)."""
+        ex = self.stream_executor
+        ex.wait_sync(ex.seq_for(name))
+        return name in ex.variables
+
     def get_meta_info(self, name: str) -> Any:
         ex = self.stream_executor
         ex.wait_sync(ex.seq_for(name))
