@@ -102,7 +102,8 @@ class Function:
         """Run every item (a dict of arguments, or a list/tuple of positional ones); states in
         input order with `.summary`. At most `num_threads` (alias `max_concurrency`) programs
         are in flight; a failing item's error is on its state and the batch goes on.
-        `plan_prefix` traces the items to prefill their shared prefixes once first."""
+        `plan_prefix` traces the items to prefill their shared prefixes once first (each body
+        runs up to its first model call on a deep copy of its arguments)."""
         loop = _blocking_entry("run_batch")
         coro = self.arun_batch(
             batch_kwargs,

@@ -18,3 +18,27 @@ def test_in_tells_whether_a_variable_is_set(backend):
     assert state.error() is None
     assert "answer" in state  # SGLang's ProgramState.__contains__
     assert "nope" not in state
+
+
+HEADER = "A shared instruction, long enough for run_batch to prefill it once for the batch.\n"
+
+
+@pl.function
+def chat(s, history, question):
+    history.append("user: " + question)  # a body that updates its arguments, as chat loops do
+    s += HEADER + "".join(line + "\n" for line in history) + "assistant:"
+    s += pl.gen("reply", max_tokens=3)
+
+
+def test_run_batch_runs_each_body_once_on_its_arguments(engine_backend):
+    histories = [[], []]
+    states = chat.run_batch(
+        [{"history": h, "question": f"q{i}"} for i, h in enumerate(histories)],
+        backend=engine_backend,
+    )
+    assert all(st.error() is None for st in states)
+    # run() would append once; planning the batch's shared prefix must not append again
+    assert histories == [["user: q0"], ["user: q1"]]
+    for i, st in enumerate(states):
+        assert st.text().startswith(HEADER + f"user: q{i}\nassistant:")
+    assert states.summary.common_prefix_chars > 0  # the prefix was still planned
