@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from plait.lang.backends.default import resolve_backend
@@ -127,6 +128,10 @@ def select(
     log-probabilities in one batched request; `get_meta_info(name)` has the scores."""
     if choices is None:
         raise ValueError("select: choices is required")
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Iterable):
+        raise TypeError(
+            f"select: choices: must be a list of strings, got a {type(choices).__name__}"
+        )
     return Select(name, list(choices), temperature, choices_method)
 
 

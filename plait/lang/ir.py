@@ -11,10 +11,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from plait.lang.choices import ChoicesSamplingMethod
 from plait.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from plait.lang.choices import ChoicesSamplingMethod
     from plait.lang.executor import Executor
 
 # dtype -> the regex that constrains a gen to it (SGLang's REGEX_INT, ...)
@@ -110,9 +110,17 @@ class Select(Expr):
 
     def __post_init__(self) -> None:
         if not self.choices or not all(isinstance(c, str) and c for c in self.choices):
-            raise ValueError("select: choices must be a non-empty list of non-empty strings")
-        if self.temperature < 0:
-            raise ValueError(f"select: temperature must be >= 0, got {self.temperature}")
+            raise ValueError("select: choices: must be a non-empty list of non-empty strings")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"select: temperature: must be a number, got {self.temperature!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"select: temperature: must be >= 0, got {self.temperature}")
+        if not isinstance(self.choices_method, ChoicesSamplingMethod):
+            raise TypeError(
+                "select: choices_method: must be a ChoicesSamplingMethod instance "
+                "(pl.token_length_normalized, pl.greedy_token_selection, "
+                f"pl.unconditional_likelihood_normalized), got {self.choices_method!r}"
+            )
 
 
 @dataclass(eq=False)

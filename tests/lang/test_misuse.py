@@ -5,6 +5,8 @@ reason. Programs run on the tiny checkpoint through the in-process Engine and a 
 
 from __future__ import annotations
 
+import pytest
+
 import plait.lang as pl
 
 
@@ -42,3 +44,18 @@ def test_run_batch_runs_each_body_once_on_its_arguments(engine_backend):
     for i, st in enumerate(states):
         assert st.text().startswith(HEADER + f"user: q{i}\nassistant:")
     assert states.summary.common_prefix_chars > 0  # the prefix was still planned
+
+
+def test_select_checks_its_arguments_at_the_call():
+    # a string is not a list of choices (list("yes") would be ["y", "e", "s"])
+    with pytest.raises(TypeError, match="choices: must be a list of strings, got a str"):
+        pl.select("c", "yes")
+    with pytest.raises(TypeError, match="choices_method: must be a ChoicesSamplingMethod"):
+        pl.select("c", ["a", "b"], choices_method="greedy")
+    with pytest.raises(TypeError, match="choices_method"):
+        pl.gen("c", choices=["a", "b"], choices_method=pl.greedy_token_selection.__class__)
+    with pytest.raises(TypeError, match="temperature: must be a number, got '0'"):
+        pl.select("c", ["a", "b"], temperature="0")
+    with pytest.raises(ValueError, match="choices: must be a non-empty list"):
+        pl.select("c", [])
+    assert pl.select("c", ("a", "b")).choices == ["a", "b"]  # a tuple is a list of choices
