@@ -155,6 +155,7 @@ class Executor(TextState):
         self.error_: BaseException | None = None
         self.committed_len = 0  # text_[:committed_len] was last sent to the backend whole
         self.fork_start_text_pos: int | None = None
+        self.closed_reason: str | None = None  # a joined branch: why nothing more may be added
         # ordering: expressions are numbered 1, 2, ... as submitted; `done` is the last run
         self._seq = itertools.count(1)
         self.submitted = 0
@@ -175,6 +176,8 @@ class Executor(TextState):
 
     # ------------------------------------------------------------------ caller side (any thread)
     def submit(self, expr: Expr) -> None:
+        if self.closed_reason is not None:
+            raise ValueError(self.closed_reason)
         seq = next(self._seq)
         self.submitted = seq
         for name in names_defined(expr):

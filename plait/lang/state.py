@@ -208,15 +208,27 @@ class ProgramStateGroup:
     def __init__(self, states: list[ProgramState], src_state: ProgramState) -> None:
         self.states = states
         self.src_state = src_state
+        self.joined = False
 
     def join(self, mode: str = "gather_variable") -> None:
         """Back into the parent: `gather_variable` puts each variable the branches created into
         the parent as a list (one entry per branch); `concate_and_append` appends the text
-        each branch added, in order."""
+        each branch added, in order. A fork joins once; its branches stay readable
+        (`forks[i]["x"]`) but take no more expressions."""
         if mode not in JOIN_MODES:
             raise ValueError(f"join: mode must be one of {', '.join(JOIN_MODES)}, got {mode!r}")
+        if self.joined:
+            raise ValueError(
+                "join: this fork was already joined; call s.fork(n) again for more branches"
+            )
+        self.joined = True
         children = [s.stream_executor for s in self.states]
         until = [c.submitted for c in children]
+        for i, child in enumerate(children):
+            child.closed_reason = (
+                f"fork: branch {i} was joined, so nothing appended to it would reach the "
+                "parent; append to the parent state, or fork again"
+            )
         self.src_state.stream_executor.submit(Join(children, until, mode))
 
     def __getitem__(self, i: int) -> ProgramState:

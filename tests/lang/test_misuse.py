@@ -59,3 +59,45 @@ def test_select_checks_its_arguments_at_the_call():
     with pytest.raises(ValueError, match="choices: must be a non-empty list"):
         pl.select("c", [])
     assert pl.select("c", ("a", "b")).choices == ["a", "b"]  # a tuple is a list of choices
+
+
+@pl.function
+def join_twice(s, mode):
+    s += "Shared:"
+    forks = s.fork(2)
+    forks += lambda i: f" b{i}" + pl.gen("y", max_tokens=2)
+    forks.join(mode)
+    forks.join(mode)
+
+
+@pl.function
+def write_after_join(s):
+    s += "Shared:"
+    forks = s.fork(2)
+    forks += pl.gen("y", max_tokens=2)
+    forks.join()
+    forks[0] += pl.gen("lost", max_tokens=2)  # nothing would ever read it back
+
+
+def test_a_fork_joins_once_and_takes_no_writes_after(engine_backend):
+    # concate_and_append twice appended every branch's text twice; gather_variable did nothing
+    for mode in ("gather_variable", "concate_and_append"):
+        with pytest.raises(ValueError, match="join: this fork was already joined"):
+            join_twice.run(mode=mode, backend=engine_backend)
+    with pytest.raises(ValueError, match="fork: branch 0 was joined"):
+        write_after_join.run(backend=engine_backend)
+
+
+@pl.function
+def join_then_read(s):
+    s += "Shared:"
+    forks = s.fork(2)
+    forks += pl.gen("y", max_tokens=2)
+    forks.join()
+    s += "|" + forks[1]["y"]  # reading a branch after the join is fine (SGLang programs do)
+
+
+def test_branches_are_readable_after_the_join(engine_backend):
+    state = join_then_read.run(backend=engine_backend)
+    assert state.error() is None
+    assert state.text().endswith("|" + state["y"][1])
