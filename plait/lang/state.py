@@ -8,6 +8,7 @@ read on the loop that runs the program raises instead of deadlocking.
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -70,7 +71,9 @@ class ProgramState:
     def fork(self, number: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         """`number` branches starting from the text so far, which is committed to the runtime
         first (one prefill) so every branch reuses its KV cache."""
-        number = int(number)
+        if isinstance(number, bool) or not hasattr(number, "__index__"):
+            raise TypeError(f"fork: number must be an integer, got {number!r}")
+        number = operator.index(number)
         if number < 1:
             raise ValueError(f"fork: number must be >= 1, got {number}")
         ex = self.stream_executor

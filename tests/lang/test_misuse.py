@@ -101,3 +101,18 @@ def test_branches_are_readable_after_the_join(engine_backend):
     state = join_then_read.run(backend=engine_backend)
     assert state.error() is None
     assert state.text().endswith("|" + state["y"][1])
+
+
+@pl.function
+def fork_n(s, n):
+    s += "Shared:"
+    forks = s.fork(n)
+    forks.join()
+
+
+def test_fork_takes_a_positive_integer(engine_backend):
+    with pytest.raises(ValueError, match="fork: number must be >= 1, got 0"):
+        fork_n.run(n=0, backend=engine_backend)
+    for bad in (2.7, "2", None):  # 2.7 forked 2 branches, "2" forked 2, None: int()'s error
+        with pytest.raises(TypeError, match=f"fork: number must be an integer, got {bad!r}"):
+            fork_n.run(n=bad, backend=engine_backend)
