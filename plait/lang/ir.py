@@ -11,8 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from plait.errors import RequestError
 from plait.lang.choices import ChoicesSamplingMethod
-from plait.sampling import SamplingParams
+from plait.sampling import MAX_INT, SamplingParams
 
 if TYPE_CHECKING:
     from plait.lang.executor import Executor
@@ -42,6 +43,7 @@ LOGPROB_FIELDS = (
 )
 # SGLang's DSL names -> SamplingParams' names
 SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+GEN_ARG_NAMES = {v: k for k, v in SAMPLING_ALIASES.items()}
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
@@ -93,10 +95,25 @@ class Gen(Expr):
     dtype: Any = None
 
     def __post_init__(self) -> None:
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"gen: name must be a string or None, got {self.name!r}")
         if self.dtype is not None and self.dtype not in DTYPE_REGEX:
             raise ValueError(f"dtype: must be int, float, bool or str, got {self.dtype!r}")
         if self.dtype is not None and self.sampling.get("regex") is not None:
             raise ValueError("dtype and regex: give one of them (dtype is a regex constraint)")
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        """The gen's own fields, checked at the call (the executor checks them again merged
+        with run()'s defaults): a max_tokens the defaults may give stands in as the largest."""
+        fields = {"max_new_tokens": MAX_INT, **self.sampling}
+        if self.dtype is not None:
+            fields["regex"] = DTYPE_REGEX[self.dtype]
+        try:
+            SamplingParams.from_dict(fields)
+        except RequestError as e:
+            arg = GEN_ARG_NAMES.get(e.field, e.field)
+            raise ValueError(f"gen({self.name!r}): {arg}: {e.message}") from None
 
 
 @dataclass(eq=False)

@@ -5,6 +5,8 @@ reason. Programs run on the tiny checkpoint through the in-process Engine and a 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import plait.lang as pl
@@ -116,3 +118,30 @@ def test_fork_takes_a_positive_integer(engine_backend):
     for bad in (2.7, "2", None):  # 2.7 forked 2 branches, "2" forked 2, None: int()'s error
         with pytest.raises(TypeError, match=f"fork: number must be an integer, got {bad!r}"):
             fork_n.run(n=bad, backend=engine_backend)
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        ({"max_tokens": "5"}, "max_tokens: must be an integer, got '5'"),
+        ({"max_tokens": -1}, "max_tokens: must be in"),
+        ({"temperature": "hot"}, "temperature: must be a number"),
+        ({"stop": 5}, "stop: must be a string or a list of strings"),
+        ({"top_p": 0}, "top_p: must be in"),
+        ({"n": 0}, "n: must be in"),
+        ({"max_tokens": 3, "min_tokens": 5}, "min_tokens: must be <= max_new_tokens"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias: keys must be token ids"),
+        ({"regex": "[0-9]", "json_schema": {"type": "integer"}}, "json_schema: only one"),
+        ({"dtype": int, "json_object": True}, "json_object: only one constraint"),
+    ],
+)
+def test_gen_checks_its_arguments_at_the_call(kwargs, reason):
+    # these failed only when the program ran: run() returned a state whose error() was set
+    with pytest.raises(ValueError, match=re.escape(f"gen('x'): {reason}")):
+        pl.gen("x", **kwargs)
+
+
+def test_gen_leaves_to_the_call_what_its_defaults_complete():
+    assert pl.gen("x", min_tokens=200).sampling == {"min_new_tokens": 200}  # run(max_tokens=300)
+    with pytest.raises(TypeError, match="gen: name must be a string or None, got 5"):
+        pl.gen(5)
