@@ -145,3 +145,12 @@ def test_gen_leaves_to_the_call_what_its_defaults_complete():
     assert pl.gen("x", min_tokens=200).sampling == {"min_new_tokens": 200}  # run(max_tokens=300)
     with pytest.raises(TypeError, match="gen: name must be a string or None, got 5"):
         pl.gen(5)
+
+
+def test_images_and_videos_say_they_are_unsupported():
+    # SGLang programs use sgl.image / sgl.video inside roles; plait serves text-only models
+    import plait
+
+    for make, args in ((plait.image, ("cat.png",)), (pl.video, ("clip.mp4", 8))):
+        with pytest.raises(pl.UnsupportedFeature, match="not supported.*text-only"):
+            make(*args)
