@@ -154,3 +154,27 @@ def test_images_and_videos_say_they_are_unsupported():
     for make, args in ((plait.image, ("cat.png",)), (pl.video, ("clip.mp4", 8))):
         with pytest.raises(pl.UnsupportedFeature, match="not supported.*text-only"):
             make(*args)
+
+
+@pl.function
+def ask(s, question):
+    s += "Q: " + question + "\nA:" + pl.gen("answer", max_tokens=3, stop="\n")
+    return "asked " + question
+
+
+@pl.function
+def two_questions(s):
+    s += "Answer briefly.\n"
+    first = ask(s, "Why?")  # a @function called on a state runs its body on that state
+    s += "\n"
+    ask(s, question="How?")
+    return first
+
+
+def test_a_function_called_on_a_state_runs_in_it(backend):
+    # this was ask.run(s, "Why?"): "ask() takes 2 positional arguments but 3 were given"
+    state = two_questions.run(backend=backend)
+    assert state.error() is None
+    assert state.ret_value == "asked Why?"
+    assert state.text().startswith("Answer briefly.\nQ: Why?\nA:")
+    assert "\nQ: How?\nA:" + state["answer"] in state.text()
