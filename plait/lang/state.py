@@ -91,6 +91,7 @@ class ProgramState:
 
     def set_var(self, name: str, value: Any) -> None:
         self.stream_executor.variables[name] = value
+        self.stream_executor.stale_names.discard(name)
 
     __setitem__ = set_var
 

@@ -178,3 +178,27 @@ def test_a_function_called_on_a_state_runs_in_it(backend):
     assert state.ret_value == "asked Why?"
     assert state.text().startswith("Answer briefly.\nQ: Why?\nA:")
     assert "\nQ: How?\nA:" + state["answer"] in state.text()
+
+
+@pl.function
+def two_rounds(s, read):
+    s += "Ideas:"
+    for _ in range(2):
+        forks = s.fork(2)
+        forks += pl.gen("idea", max_tokens=2)
+        forks.join()  # round 2: "idea" is already the parent's, so SGLang's rule keeps round 1's
+        if read == "branches":
+            [f["idea"] for f in forks]
+    if read == "parent":
+        s["idea"]
+
+
+def test_reading_a_variable_a_join_did_not_gather_warns(engine_backend, caplog):
+    state = two_rounds.run(read="branches", backend=engine_backend)
+    assert state.error() is None
+    assert not [r for r in caplog.records if "did not gather" in r.getMessage()]
+    # the body's own read warns (once), and so does the caller's first read of the other state
+    for state in (two_rounds.run(read="parent", backend=engine_backend), state):
+        assert len(state["idea"]) == 2  # SGLang's semantics, kept: the first round's list
+    warnings = [r.getMessage() for r in caplog.records if "did not gather" in r.getMessage()]
+    assert len(warnings) == 2 and warnings[0].startswith("variable 'idea'"), warnings
