@@ -56,6 +56,7 @@ __all__ = [
     "get_default_backend",
     "get_server_info",
     "greedy_token_selection",
+    "image",
     "select",
     "set_default_backend",
     "system",
@@ -66,6 +67,7 @@ __all__ = [
     "user",
     "user_begin",
     "user_end",
+    "video",
 ]
 _LANG_NAMES = frozenset(__all__) - {"Engine", "SamplingParams", "ServerArgs"}
 

@@ -30,6 +30,7 @@ from plait.lang.api import (
     gen_int,
     gen_string,
     get_server_info,
+    image,
     select,
     system,
     system_begin,
@@ -37,6 +38,7 @@ from plait.lang.api import (
     user,
     user_begin,
     user_end,
+    video,
 )
 from plait.lang.backends import (
     Backend,
@@ -91,6 +93,7 @@ __all__ = [
     "get_default_backend",
     "get_server_info",
     "greedy_token_selection",
+    "image",
     "select",
     "set_default_backend",
     "system",
@@ -101,4 +104,5 @@ __all__ = [
     "user",
     "user_begin",
     "user_end",
+    "video",
 ]

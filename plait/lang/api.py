@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
+from plait.lang.backends.base import UnsupportedFeature
 from plait.lang.backends.default import resolve_backend
 from plait.lang.choices import ChoicesSamplingMethod, token_length_normalized
 from plait.lang.ir import Gen, RoleBegin, RoleEnd, Select, role_exprs
@@ -127,7 +129,25 @@ def select(
     log-probabilities in one batched request; `get_meta_info(name)` has the scores."""
     if choices is None:
         raise ValueError("select: choices is required")
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Iterable):
+        raise TypeError(
+            f"select: choices: must be a list of strings, got a {type(choices).__name__}"
+        )
     return Select(name, list(choices), temperature, choices_method)
+
+
+def image(path: str) -> None:
+    """SGLang's `sgl.image`: not supported (plait serves text-only models)."""
+    raise UnsupportedFeature(
+        "plait", "image input (sgl.image)", "plait serves text-only models; describe it in text"
+    )
+
+
+def video(path: str, num_frames: int) -> None:
+    """SGLang's `sgl.video`: not supported (plait serves text-only models)."""
+    raise UnsupportedFeature(
+        "plait", "video input (sgl.video)", "plait serves text-only models; describe it in text"
+    )
 
 
 def system(expr: Any = None):

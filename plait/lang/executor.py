@@ -155,6 +155,8 @@ class Executor(TextState):
         self.error_: BaseException | None = None
         self.committed_len = 0  # text_[:committed_len] was last sent to the backend whole
         self.fork_start_text_pos: int | None = None
+        self.closed_reason: str | None = None  # a joined branch: why nothing more may be added
+        self.stale_names: set[str] = set()  # set again by joined branches, not gathered
         # ordering: expressions are numbered 1, 2, ... as submitted; `done` is the last run
         self._seq = itertools.count(1)
         self.submitted = 0
@@ -175,6 +177,8 @@ class Executor(TextState):
 
     # ------------------------------------------------------------------ caller side (any thread)
     def submit(self, expr: Expr) -> None:
+        if self.closed_reason is not None:
+            raise ValueError(self.closed_reason)
         seq = next(self._seq)
         self.submitted = seq
         for name in names_defined(expr):
@@ -231,6 +235,15 @@ class Executor(TextState):
         await await_on(self.loop, self.wait_seq(seq))
 
     def read_var(self, name: str) -> Any:
+        if name in self.stale_names:
+            self.stale_names.discard(name)
+            logger.warning(
+                "variable %r: a join did not gather the branches' new values, since the "
+                "program already had it (SGLang's rule); this is the value from before the "
+                "fork: read forks[i][%r], or give the branches' variable a new name",
+                name,
+                name,
+            )
         if name in self.variables:
             return self.variables[name]
         if self.error_ is not None:
@@ -323,6 +336,7 @@ class Executor(TextState):
 
     # ------------------------------------------------------------------ expressions
     async def _execute(self, expr: Expr) -> None:
+        self.stale_names.difference_update(names_defined(expr))
         if self.execute_local(expr):
             pass
         elif isinstance(expr, ExprList):
@@ -429,6 +443,9 @@ class Executor(TextState):
             ) from failed
         if expr.mode == "gather_variable":
             before = set(self.variables)
+            # SGLang's rule, kept: only names new to the parent are gathered; a read of one
+            # the branches set again warns (stale_names)
+            self.stale_names |= {n for c in expr.children for n in c._var_seq} & before
             for child in expr.children:
                 for name, value in child.variables.items():
                     if name not in before:

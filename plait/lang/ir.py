@@ -11,10 +11,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from plait.sampling import SamplingParams
+from plait.errors import RequestError
+from plait.lang.choices import ChoicesSamplingMethod
+from plait.sampling import MAX_INT, SamplingParams
 
 if TYPE_CHECKING:
-    from plait.lang.choices import ChoicesSamplingMethod
     from plait.lang.executor import Executor
 
 # dtype -> the regex that constrains a gen to it (SGLang's REGEX_INT, ...)
@@ -42,6 +43,7 @@ LOGPROB_FIELDS = (
 )
 # SGLang's DSL names -> SamplingParams' names
 SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+GEN_ARG_NAMES = {v: k for k, v in SAMPLING_ALIASES.items()}
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
@@ -93,10 +95,25 @@ class Gen(Expr):
     dtype: Any = None
 
     def __post_init__(self) -> None:
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"gen: name must be a string or None, got {self.name!r}")
         if self.dtype is not None and self.dtype not in DTYPE_REGEX:
             raise ValueError(f"dtype: must be int, float, bool or str, got {self.dtype!r}")
         if self.dtype is not None and self.sampling.get("regex") is not None:
             raise ValueError("dtype and regex: give one of them (dtype is a regex constraint)")
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        """The gen's own fields, checked at the call (the executor checks them again merged
+        with run()'s defaults): a max_tokens the defaults may give stands in as the largest."""
+        fields = {"max_new_tokens": MAX_INT, **self.sampling}
+        if self.dtype is not None:
+            fields["regex"] = DTYPE_REGEX[self.dtype]
+        try:
+            SamplingParams.from_dict(fields)
+        except RequestError as e:
+            arg = GEN_ARG_NAMES.get(e.field, e.field)
+            raise ValueError(f"gen({self.name!r}): {arg}: {e.message}") from None
 
 
 @dataclass(eq=False)
@@ -110,9 +127,17 @@ class Select(Expr):
 
     def __post_init__(self) -> None:
         if not self.choices or not all(isinstance(c, str) and c for c in self.choices):
-            raise ValueError("select: choices must be a non-empty list of non-empty strings")
-        if self.temperature < 0:
-            raise ValueError(f"select: temperature must be >= 0, got {self.temperature}")
+            raise ValueError("select: choices: must be a non-empty list of non-empty strings")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"select: temperature: must be a number, got {self.temperature!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"select: temperature: must be >= 0, got {self.temperature}")
+        if not isinstance(self.choices_method, ChoicesSamplingMethod):
+            raise TypeError(
+                "select: choices_method: must be a ChoicesSamplingMethod instance "
+                "(pl.token_length_normalized, pl.greedy_token_selection, "
+                f"pl.unconditional_likelihood_normalized), got {self.choices_method!r}"
+            )
 
 
 @dataclass(eq=False)

@@ -38,6 +38,7 @@ from plait.lang.runner import (
     run_program,
 )
 from plait.lang.state import ProgramState
+from plait.lang.tracer import TracerState
 from plait.sampling import SamplingParams
 
 
@@ -85,7 +86,13 @@ class Function:
         backend = resolve_backend(backend)
         return await arun_program(self, backend, args, program_args, defaults, stream)
 
-    __call__ = run
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`prog(...)` is `prog.run(...)`; inside a program, `prog(s, ...)` on a state runs
+        prog's body on that state (a sub-program: its text and variables go to `s`) and
+        returns what the body returns (a coroutine to await for an `async def` body)."""
+        if args and isinstance(args[0], (ProgramState, TracerState)):
+            return self.func(args[0], *args[1:], **{**self.bind_arguments, **kwargs})
+        return self.run(*args, **kwargs)
 
     # ------------------------------------------------------------------ batches
     def run_batch(
@@ -102,7 +109,8 @@ class Function:
         """Run every item (a dict of arguments, or a list/tuple of positional ones); states in
         input order with `.summary`. At most `num_threads` (alias `max_concurrency`) programs
         are in flight; a failing item's error is on its state and the batch goes on.
-        `plan_prefix` traces the items to prefill their shared prefixes once first."""
+        `plan_prefix` traces the items to prefill their shared prefixes once first (each body
+        runs up to its first model call on a deep copy of its arguments)."""
         loop = _blocking_entry("run_batch")
         coro = self.arun_batch(
             batch_kwargs,

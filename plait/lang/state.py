@@ -8,6 +8,7 @@ read on the loop that runs the program raises instead of deadlocking.
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -70,7 +71,9 @@ class ProgramState:
     def fork(self, number: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         """`number` branches starting from the text so far, which is committed to the runtime
         first (one prefill) so every branch reuses its KV cache."""
-        number = int(number)
+        if isinstance(number, bool) or not hasattr(number, "__index__"):
+            raise TypeError(f"fork: number must be an integer, got {number!r}")
+        number = operator.index(number)
         if number < 1:
             raise ValueError(f"fork: number must be >= 1, got {number}")
         ex = self.stream_executor
@@ -88,6 +91,7 @@ class ProgramState:
 
     def set_var(self, name: str, value: Any) -> None:
         self.stream_executor.variables[name] = value
+        self.stream_executor.stale_names.discard(name)
 
     __setitem__ = set_var
 
@@ -98,6 +102,13 @@ class ProgramState:
         return ex.read_var(name)
 
     __getitem__ = get_var
+
+    def __contains__(self, name: str) -> bool:
+        """`"x" in s`: whether variable x is set, once what would set it has run (without
+        this, `in` falls back to `s[0]`, `s[1]`, ... and raises KeyError)."""
+        ex = self.stream_executor
+        ex.wait_sync(ex.seq_for(name))
+        return name in ex.variables
 
     def get_meta_info(self, name: str) -> Any:
         ex = self.stream_executor
@@ -201,15 +212,27 @@ class ProgramStateGroup:
     def __init__(self, states: list[ProgramState], src_state: ProgramState) -> None:
         self.states = states
         self.src_state = src_state
+        self.joined = False
 
     def join(self, mode: str = "gather_variable") -> None:
         """Back into the parent: `gather_variable` puts each variable the branches created into
         the parent as a list (one entry per branch); `concate_and_append` appends the text
-        each branch added, in order."""
+        each branch added, in order. A fork joins once; its branches stay readable
+        (`forks[i]["x"]`) but take no more expressions."""
         if mode not in JOIN_MODES:
             raise ValueError(f"join: mode must be one of {', '.join(JOIN_MODES)}, got {mode!r}")
+        if self.joined:
+            raise ValueError(
+                "join: this fork was already joined; call s.fork(n) again for more branches"
+            )
+        self.joined = True
         children = [s.stream_executor for s in self.states]
         until = [c.submitted for c in children]
+        for i, child in enumerate(children):
+            child.closed_reason = (
+                f"fork: branch {i} was joined, so nothing appended to it would reach the "
+                "parent; append to the parent state, or fork again"
+            )
         self.src_state.stream_executor.submit(Join(children, until, mode))
 
     def __getitem__(self, i: int) -> ProgramState:

@@ -10,6 +10,7 @@ items, to prefill once each before the items that share them.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -89,7 +90,13 @@ class TracerState(TextState):
 
 
 def trace_prefix(fn: Function, backend: Backend, kwargs: dict[str, Any]) -> str:
-    """The text a call of `fn` builds before it first needs the model."""
+    """The text a call of `fn` builds before it first needs the model. The body runs on a deep
+    copy of the arguments, so one that updates them (`history.append(...)`) does so once, in
+    its real run; arguments that cannot be copied are not traced (no shared prefix)."""
+    try:
+        kwargs = copy.deepcopy(kwargs)
+    except Exception:
+        return ""
     state = TracerState(backend)
     try:
         if fn.is_async:
