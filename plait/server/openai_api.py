@@ -211,10 +211,16 @@ def sampling_params(
         raise openai_error(e, constraint_field) from None
 
 
-def openai_error(e: RequestError, constraint_field: str | None = None) -> RequestError:
+def openai_error(
+    e: RequestError, constraint_field: str | None = None, prompt_field: str = "prompt"
+) -> RequestError:
     """Names SamplingParams' fields as the OpenAI request does (max_new_tokens -> max_tokens;
-    a constraint given as response_format -> response_format)."""
+    a constraint given as response_format -> response_format), and the prompt (/generate's
+    text.i / input_ids.i) as `prompt_field`: completions' prompt.i, chat's messages."""
     field = e.field
+    head, dot, rest = (field or "").partition(".")
+    if head in ("text", "input_ids"):
+        return e.renamed(prompt_field + (dot + rest if prompt_field == "prompt" else ""))
     if field in OPENAI_NAMES:
         return e.renamed(OPENAI_NAMES[field])
     if constraint_field and field in ("json_schema", "json_object", "structural_tag"):
@@ -317,6 +323,7 @@ def normalize(
     req: _Sampling,
     top_logprobs: int | None,
     return_logprob: bool,
+    prompt_field: str = "prompt",
 ) -> list[ReqInput]:
     """The OpenAI request as a GenerateInput, normalized: prompt i, sample j -> choice
     index i * n + j."""
@@ -333,22 +340,16 @@ def normalize(
     try:
         reqs = http_common.normalize(request, inp).reqs
     except RequestError as e:
-        raise _prompt_error(e) from None
+        raise openai_error(e, prompt_field=prompt_field) from None
     return reqs
 
 
-def _prompt_error(e: RequestError) -> RequestError:
-    """normalize names a batch's prompts text.i / input_ids.i; OpenAI's field is `prompt`."""
-    if e.field and e.field.split(".")[0] in ("text", "input_ids"):
-        return e.renamed("prompt" + e.field[len(e.field.split(".")[0]) :])
-    return openai_error(e)
-
-
-async def run(request: Request, reqs: list[ReqInput], constraint_field: str | None = None):
+async def run(request: Request, reqs: list[ReqInput], constraint_field: str | None = None,
+              prompt_field: str = "prompt"):
     try:
         return await http_common.run_to_end(request, reqs)
     except RequestError as e:
-        raise openai_error(e, constraint_field) from None
+        raise openai_error(e, constraint_field, prompt_field) from None
 
 
 def response_head(request: Request, id_prefix: str, obj: str) -> dict[str, Any]:
@@ -610,7 +611,8 @@ async def chat_completions(request: Request) -> Response:
         constraint = response_format_constraint(fmt)
         constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None
     sp = sampling_params(req, max_tokens, constraint, constraint_field)
-    inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs)
+    inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs,
+                       "messages")
     texts = TokenTexts(tm.tokenizer)
     head = response_head(request, "chatcmpl", "chat.completion")
     if req.stream:
@@ -624,8 +626,9 @@ async def chat_completions(request: Request) -> Response:
             usage_n=req.n if _include_usage(req) else None,
             continuous_usage=_continuous_usage(req),
             constraint_field=constraint_field,
+            prompt_field="messages",
         )
-    states = await run(request, inputs, constraint_field)
+    states = await run(request, inputs, constraint_field, "messages")
     choices = [
         {
             "index": i,
@@ -685,6 +688,7 @@ async def stream_response(
     usage_n: int | None = None,
     continuous_usage: bool = False,
     constraint_field: str | None = None,
+    prompt_field: str = "prompt",
 ) -> Response:
     """SSE response of OpenAI chunks: `render` turns each Delta into chunk bodies (without
     the shared `head` fields); with usage_n (= n) a last chunk carries the usage, and with
@@ -712,7 +716,7 @@ async def stream_response(
             yield {**head, "choices": [], "usage": usage(states, usage_n)}
 
     return await http_common.sse_response(
-        request, inputs, chunks, lambda e: openai_error(e, constraint_field)
+        request, inputs, chunks, lambda e: openai_error(e, constraint_field, prompt_field)
     )
 
 

@@ -105,7 +105,7 @@ class TokenizerManager:
 
     def validate(self, ids: list[int], req: ReqInput) -> None:
         """The checks that need the token ids; the fields were checked by normalize()."""
-        field = "text" if req.text is not None else "input_ids"
+        field = req.prompt_name
         sp = req.sampling_params
         if not ids:
             raise RequestError(field, "the prompt is empty")

@@ -130,6 +130,29 @@ def test_a_constraint_the_scheduler_refuses_names_its_sampling_params_field(http
     assert err["param"] == f"sampling_params.{field}", err
 
 
+LONG_TEXT, LONG_IDS = "word " * 5000, list(range(100, 5100))  # over the tiny model's context
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": LONG_TEXT}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", LONG_TEXT]}, "prompt.1"),
+        ("/v1/completions", {"prompt": [[5, 6], LONG_IDS]}, "prompt.1"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_TEXT}]},
+         "messages"),
+        ("/generate", {"text": ["ok", LONG_TEXT]}, "text.1"),
+        ("/generate", {"input_ids": [[5, 6], LONG_IDS]}, "input_ids.1"),
+    ],
+)
+def test_a_prompt_over_the_context_is_named_as_the_request_has_it(http, path, body, param):
+    """The context-length check runs on the token ids, after normalize(); its error names the
+    prompt as the caller wrote it (OpenAI's prompt / messages, a batch's index), not the
+    internal text / input_ids of one prompt."""
+    err = assert_error(http.post(path, json=body), 400, "context length")
+    assert err["param"] == param, err
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_request_while_streaming_is_a_status_not_an_event(http, stream):
     body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 10**6, "stream": stream}
