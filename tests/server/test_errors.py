@@ -153,6 +153,22 @@ def test_a_prompt_over_the_context_is_named_as_the_request_has_it(http, path, bo
     assert err["param"] == param, err
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": ["ok", LONG_TEXT], "max_tokens": 50}),
+        ("/generate", {"text": ["ok", LONG_TEXT], "sampling_params": {"max_new_tokens": 50}}),
+    ],
+)
+def test_a_streamed_batch_with_a_bad_prompt_is_a_status_not_an_event(http, path, body):
+    """Every prompt of a batch is tokenized and checked before any of them runs: a prompt over
+    the context is a 400, not a 200 whose stream carries the first prompt's tokens and then
+    an error event (its tokenizing took longer than the first prompt's first token)."""
+    resp = http.post(path, json={**body, "stream": True})
+    err = assert_error(resp, 400, "context length")
+    assert err["param"] in ("prompt.1", "text.1"), err
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_request_while_streaming_is_a_status_not_an_event(http, stream):
     body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 10**6, "stream": stream}
