@@ -35,7 +35,7 @@ token_router = APIRouter()
 
 MAX_TOP_LOGPROBS = 20
 # SamplingParams' field names -> the OpenAI request's, for error messages.
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+OPENAI_NAMES = {"min_new_tokens": "min_tokens"}  # max_new_tokens: FieldNames.max_tokens
 
 
 # ---------------------------------------------------------------------- request models
@@ -176,11 +176,21 @@ def check_model(request: Request, model: str | None) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class FieldNames:
+    """How one OpenAI request names the fields that plait's errors carry by SamplingParams'
+    and /generate's names."""
+
+    prompt: str = "prompt"  # completions' prompt (prompt.i in a batch); chat's messages
+    max_tokens: str = "max_tokens"  # chat's max_completion_tokens when the request gives it
+    constraint: str | None = None  # the field a constraint came from: response_format, tools
+
+
 def sampling_params(
     req: _Sampling, max_tokens: int | None, constraint: dict[str, Any],
-    constraint_field: str | None = None,
+    names: FieldNames = FieldNames(),
 ) -> SamplingParams:
-    """`constraint` from the request field `constraint_field` (response_format, tools)."""
+    """`constraint` from the request field `names.constraint` (response_format, tools)."""
     d: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "min_new_tokens": req.min_tokens,
@@ -208,23 +218,23 @@ def sampling_params(
     try:
         return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
     except RequestError as e:
-        raise openai_error(e, constraint_field) from None
+        raise openai_error(e, names) from None
 
 
-def openai_error(
-    e: RequestError, constraint_field: str | None = None, prompt_field: str = "prompt"
-) -> RequestError:
-    """Names SamplingParams' fields as the OpenAI request does (max_new_tokens -> max_tokens;
-    a constraint given as response_format -> response_format), and the prompt (/generate's
-    text.i / input_ids.i) as `prompt_field`: completions' prompt.i, chat's messages."""
+def openai_error(e: RequestError, names: FieldNames = FieldNames()) -> RequestError:
+    """Names SamplingParams' fields as the OpenAI request does (max_new_tokens -> max_tokens
+    or max_completion_tokens; a constraint given as response_format -> response_format), and
+    the prompt (/generate's text.i / input_ids.i): completions' prompt.i, chat's messages."""
     field = e.field
     head, dot, rest = (field or "").partition(".")
     if head in ("text", "input_ids"):
-        return e.renamed(prompt_field + (dot + rest if prompt_field == "prompt" else ""))
+        return e.renamed(names.prompt + (dot + rest if names.prompt == "prompt" else ""))
+    if field == "max_new_tokens":
+        return e.renamed(names.max_tokens)
     if field in OPENAI_NAMES:
         return e.renamed(OPENAI_NAMES[field])
-    if constraint_field and field in ("json_schema", "json_object", "structural_tag"):
-        return e.renamed(constraint_field)
+    if names.constraint and field in ("json_schema", "json_object", "structural_tag"):
+        return e.renamed(names.constraint)
     return e
 
 
@@ -323,7 +333,7 @@ def normalize(
     req: _Sampling,
     top_logprobs: int | None,
     return_logprob: bool,
-    prompt_field: str = "prompt",
+    names: FieldNames = FieldNames(),
 ) -> list[ReqInput]:
     """The OpenAI request as a GenerateInput, normalized: prompt i, sample j -> choice
     index i * n + j."""
@@ -340,16 +350,15 @@ def normalize(
     try:
         reqs = http_common.normalize(request, inp).reqs
     except RequestError as e:
-        raise openai_error(e, prompt_field=prompt_field) from None
+        raise openai_error(e, names) from None
     return reqs
 
 
-async def run(request: Request, reqs: list[ReqInput], constraint_field: str | None = None,
-              prompt_field: str = "prompt"):
+async def run(request: Request, reqs: list[ReqInput], names: FieldNames = FieldNames()):
     try:
         return await http_common.run_to_end(request, reqs)
     except RequestError as e:
-        raise openai_error(e, constraint_field, prompt_field) from None
+        raise openai_error(e, names) from None
 
 
 def response_head(request: Request, id_prefix: str, obj: str) -> dict[str, Any]:
@@ -610,9 +619,15 @@ async def chat_completions(request: Request) -> Response:
     else:
         constraint = response_format_constraint(fmt)
         constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None
-    sp = sampling_params(req, max_tokens, constraint, constraint_field)
+    names = FieldNames(
+        prompt="messages",
+        max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
+        else "max_tokens",
+        constraint=constraint_field,
+    )
+    sp = sampling_params(req, max_tokens, constraint, names)
     inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs,
-                       "messages")
+                       names)
     texts = TokenTexts(tm.tokenizer)
     head = response_head(request, "chatcmpl", "chat.completion")
     if req.stream:
@@ -625,10 +640,9 @@ async def chat_completions(request: Request) -> Response:
             first_chunks=roles,
             usage_n=req.n if _include_usage(req) else None,
             continuous_usage=_continuous_usage(req),
-            constraint_field=constraint_field,
-            prompt_field="messages",
+            names=names,
         )
-    states = await run(request, inputs, constraint_field, "messages")
+    states = await run(request, inputs, names)
     choices = [
         {
             "index": i,
@@ -687,8 +701,7 @@ async def stream_response(
     first_chunks: list[dict] | None = None,
     usage_n: int | None = None,
     continuous_usage: bool = False,
-    constraint_field: str | None = None,
-    prompt_field: str = "prompt",
+    names: FieldNames = FieldNames(),
 ) -> Response:
     """SSE response of OpenAI chunks: `render` turns each Delta into chunk bodies (without
     the shared `head` fields); with usage_n (= n) a last chunk carries the usage, and with
@@ -716,7 +729,7 @@ async def stream_response(
             yield {**head, "choices": [], "usage": usage(states, usage_n)}
 
     return await http_common.sse_response(
-        request, inputs, chunks, lambda e: openai_error(e, constraint_field, prompt_field)
+        request, inputs, chunks, lambda e: openai_error(e, names)
     )
 
 

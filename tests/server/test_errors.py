@@ -130,6 +130,16 @@ def test_a_constraint_the_scheduler_refuses_names_its_sampling_params_field(http
     assert err["param"] == f"sampling_params.{field}", err
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("value, text", [(-5, "must be in"), (10**6, "context length")])
+def test_max_completion_tokens_errors_name_it(http, stream, value, text):
+    """A bad max_completion_tokens is named as the request gave it (it said max_tokens, a field
+    the request did not send)."""
+    body = {"messages": CHAT, "max_completion_tokens": value, "stream": stream}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400, text)
+    assert err["param"] == "max_completion_tokens", err
+
+
 LONG_TEXT, LONG_IDS = "word " * 5000, list(range(100, 5100))  # over the tiny model's context
 
 
