@@ -140,6 +140,12 @@ def test_max_completion_tokens_errors_name_it(http, stream, value, text):
     assert err["param"] == "max_completion_tokens", err
 
 
+def test_min_tokens_over_max_tokens_speaks_openai(http):
+    body = {"prompt": "x", "max_tokens": 4, "min_tokens": 9}
+    err = assert_error(http.post("/v1/completions", json=body), 400, "min_tokens")
+    assert "max_new_tokens" not in err["message"], err
+
+
 LONG_TEXT, LONG_IDS = "word " * 5000, list(range(100, 5100))  # over the tiny model's context
 
 
