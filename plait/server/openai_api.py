@@ -334,6 +334,7 @@ def normalize(
     top_logprobs: int | None,
     return_logprob: bool,
     names: FieldNames = FieldNames(),
+    logprob_start_len: int | None = None,
 ) -> list[ReqInput]:
     """The OpenAI request as a GenerateInput, normalized: prompt i, sample j -> choice
     index i * n + j."""
@@ -344,6 +345,7 @@ def normalize(
         sampling_params=sp,
         stream=req.stream,
         return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len,
         top_logprobs_num=top_logprobs,
         priority=req.priority,
     )
@@ -397,22 +399,27 @@ def usage(states: list[ReqState], n: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- logprobs
 def completion_logprobs(
-    state: ReqState, start: int, end: int, texts: TokenTexts, text_offset: int
+    state: ReqState, start: int, end: int, texts: TokenTexts, text_offset: int,
+    echo: bool = False,
 ) -> dict[str, Any]:
-    """OpenAI's legacy logprobs object for output tokens [start, end)."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    """OpenAI's legacy logprobs object for output tokens [start, end); with `echo`, the
+    prompt's tokens first (the first one's logprob null, as OpenAI and vLLM give it)."""
+    entries = []  # (logprob, token id, top rows or None)
+    if echo:
+        prompt, rows = state.input_token_logprobs or [], state.input_top_logprobs or []
+        entries += [(lp, tok, rows[k] if k < len(rows) else None)
+                    for k, (lp, tok) in enumerate(prompt)]
     rows = state.output_top_logprobs
-    for k in range(start, end):
-        lp, tok = state.output_token_logprobs[k]
+    entries += [(*state.output_token_logprobs[k], rows[k] if k < len(rows) else None)
+                for k in range(start, end)]
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for lp, tok, top in entries:
         text = texts(tok)
         tokens.append(text)
         token_logprobs.append(lp)
         offsets.append(text_offset)
         text_offset += len(text)
-        if k < len(rows) and rows[k]:
-            tops.append({texts(t): v for v, t in rows[k]})
-        else:
-            tops.append(None)
+        tops.append({texts(t): v for v, t in top} if top else None)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -539,7 +546,10 @@ async def completions(request: Request) -> Response:
         raise RequestError("echo", "not supported with stream")
     prompts = _completion_prompts(req.prompt)
     sp = sampling_params(req, req.max_tokens, {})
-    inputs = normalize(request, prompts, sp, req, req.logprobs, req.logprobs is not None)
+    # echo + logprobs scores the prompt too (lm-evaluation-harness's loglikelihood)
+    echo_logprobs = req.echo and req.logprobs is not None
+    inputs = normalize(request, prompts, sp, req, req.logprobs, req.logprobs is not None,
+                       logprob_start_len=0 if echo_logprobs else None)
     tm = http_common.tokenizer_manager(request)
     texts = TokenTexts(tm.tokenizer)
     head = response_head(request, "cmpl", "text_completion")
@@ -562,7 +572,8 @@ async def completions(request: Request) -> Response:
                 "text": prefix + s.text,
                 "logprobs": None
                 if req.logprobs is None
-                else completion_logprobs(s, 0, len(s.output_token_logprobs), texts, len(prefix)),
+                else completion_logprobs(s, 0, len(s.output_token_logprobs), texts, 0,
+                                         echo_logprobs),
                 "finish_reason": finish_reason(s),
             }
         )

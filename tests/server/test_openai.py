@@ -261,6 +261,31 @@ def test_token_id_prompt_and_echo(client):
     assert echoed.choices[0].text == "Echo me" + plain.choices[0].text
 
 
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_with_logprobs_scores_the_prompt(client, http, max_tokens):
+    """echo + logprobs returns the prompt tokens' logprobs before the completion's, the first
+    one null, as OpenAI and vLLM do: what lm-evaluation-harness's loglikelihood reads
+    (max_tokens=0). The values are /generate's input logprobs of the same prompt."""
+    prompt = "The quick brown fox jumps"
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
+                                  temperature=0, echo=True, logprobs=1)
+    (choice,) = r.choices
+    lp = choice.logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(
+        lp.text_offset) == n_prompt + max_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens) == choice.text
+    native = http.post("/generate", json={
+        "text": prompt, "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 0}).json()["meta_info"]
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(
+        [v for v, _, _ in native["input_token_logprobs"][1:]], abs=1e-4)
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert logprob <= 0 and len(top) >= 1
+
+
 def test_user_and_penalties_accepted(client):
     r = client.chat.completions.create(
         model=MODEL_NAME,
