@@ -419,13 +419,26 @@ def completion_logprobs(
         token_logprobs.append(lp)
         offsets.append(text_offset)
         text_offset += len(text)
-        tops.append({texts(t): v for v, t in top} if top else None)
+        tops.append(_top_with_token(top or [], text, lp, texts))
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def _top_with_token(
+    top: list, text: str, logprob: float | None, texts: TokenTexts
+) -> dict[str, float] | None:
+    """A legacy top_logprobs entry: the top-k and the chosen token, which OpenAI always
+    includes ("up to logprobs+1 elements"); None for a token without a logprob (the first of
+    an echoed prompt)."""
+    if logprob is None:
+        return None
+    entry = {texts(t): v for v, t in top}
+    entry.setdefault(text, logprob)
+    return entry
 
 
 def chat_logprobs(state: ReqState, start: int, end: int, texts: TokenTexts) -> dict[str, Any]:

@@ -153,6 +153,19 @@ def test_completion_logprobs(client):
         assert top.get(token) == pytest.approx(logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize("logprobs", [0, 1])
+def test_completion_top_logprobs_hold_the_sampled_token(client, logprobs):
+    """OpenAI's legacy logprobs: "the API will always return the logprob of the sampled token,
+    so there may be up to logprobs+1 elements" (vLLM too): logprobs=0 gives the sampled token
+    alone (it gave null), and a sampled token outside the top-k is added to them."""
+    r = client.completions.create(model=MODEL_NAME, prompt="Roll the dice:", max_tokens=8,
+                                  temperature=2.0, seed=7, logprobs=logprobs)
+    lp = r.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top is not None and 1 <= len(top) <= logprobs + 1
+        assert top[token] == pytest.approx(logprob, abs=1e-4)
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(
         model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
