@@ -524,25 +524,29 @@ async def detokenize(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------------- endpoints
-@router.get("/models")
-async def list_models(request: Request) -> Response:
+def _model_card(request: Request) -> dict[str, Any]:
     state = request.app.state
     tm = state.tokenizer_manager
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": int(state.start_time),
-                    "owned_by": "plait",
-                    "root": tm.model_info["model_path"],
-                    "max_model_len": tm.context_length,
-                }
-            ],
-        }
-    )
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.start_time),
+        "owned_by": "plait",
+        "root": tm.model_info["model_path"],
+        "max_model_len": tm.context_length,
+    }
+
+
+@router.get("/models")
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+
+
+@router.get("/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> Response:
+    """OpenAI's models.retrieve (SGLang serves it too); a served name's card is the one model's."""
+    check_model(request, model)
+    return JSONResponse(_model_card(request))
 
 
 @router.post("/completions")

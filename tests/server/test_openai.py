@@ -36,6 +36,17 @@ def test_models(client):
     assert [m.id for m in models] == [MODEL_NAME]
 
 
+def test_retrieve_model(client):
+    """GET /v1/models/{model} (the client's models.retrieve), as OpenAI and SGLang serve it:
+    the served model's card; another name is a 404 model_not_found naming it."""
+    model = client.models.retrieve(MODEL_NAME)
+    assert model.id == MODEL_NAME and model.object == "model"
+    assert model == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-7")
+    assert e.value.body["code"] == "model_not_found" and "gpt-7" in e.value.body["message"]
+
+
 def test_chat_completion(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=0)
     assert r.object == "chat.completion" and r.model == MODEL_NAME and r.id.startswith("chatcmpl-")
