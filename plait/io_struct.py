@@ -85,6 +85,12 @@ class ReqInput:
     group: str | None = None  # the rid the client gave (n > 1 runs as group_0, group_1, ...)
     priority: int = 0
     key: str | None = None  # label of the API key that sent it (rate limits, metrics)
+    prompt_field: str | None = None  # the prompt as the body names it ("text.1"; default: text)
+
+    @property
+    def prompt_name(self) -> str:
+        """The field an error about the prompt names (a batch's entry with its index)."""
+        return self.prompt_field or ("text" if self.text is not None else "input_ids")
 
 
 @dataclass
@@ -178,6 +184,7 @@ class GenerateInput:
                         rid=rid if rid is None or sp.n == 1 else f"{rid}_{j}",
                         group=rid,
                         priority=priority,
+                        prompt_field=f"{key}.{i}" if batched else key,
                     )
                 )
         return NormalizedInput(

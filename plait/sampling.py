@@ -101,7 +101,8 @@ class SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise RequestError(
                 "min_new_tokens",
-                f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
+                f"must not exceed the maximum of new tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens}",
             )
         _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)

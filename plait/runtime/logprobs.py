@@ -40,6 +40,10 @@ def plan_logit_rows(batch: Batch) -> LogitRows:
     for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens)):
         if req.wants_input_logprobs and req.kv_len < len(req.input_ids):
             first = max(req.logprob_start_len, 1)
+            if req.kv_len == 0 == req.logprob_start_len:
+                # the first token's None entry is recorded even without a row to compute
+                # (a one-token prompt)
+                input_rows.setdefault(i, [])
             for pos in range(req.kv_len, req.kv_len + ext):
                 if first <= pos + 1 < len(req.input_ids):
                     input_rows.setdefault(i, []).append((offset + pos - req.kv_len, pos + 1))
@@ -75,6 +79,8 @@ def record_input_logprobs(
         req.input_token_logprobs.append([None, req.input_ids[0]])
         if req.top_logprobs_num:
             req.input_top_logprobs.append(None)
+    if not pairs:
+        return
     idx = torch.tensor([row_index[r] for r, _ in pairs])
     rows = torch.log_softmax(logits[idx], dim=-1)  # [len(pairs), V]
     for (_, pos), lp in zip(pairs, rows):

@@ -325,6 +325,21 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         await asyncio.gather(task, watcher, return_exceptions=True)
 
 
+async def prepare_all(tm: TokenizerManager, reqs: list[ReqInput]) -> list[list[int]]:
+    """Every request's prompt ids, checked before any of them runs: a bad prompt in a batch is
+    the request's error (a status), not an event in a stream that has begun. The samples of
+    one prompt (n > 1) share its tokenizing."""
+    ids_of: dict[int, list[int]] = {}
+    prompts = []
+    for req in reqs:
+        prompt = req.text if req.text is not None else req.input_ids
+        if id(prompt) not in ids_of:
+            ids_of[id(prompt)] = await tm.tokenize(req)
+        tm.validate(ids_of[id(prompt)], req)
+        prompts.append(ids_of[id(prompt)])
+    return prompts
+
+
 async def run_streams(
     tm: TokenizerManager, reqs: list[ReqInput]
 ) -> AsyncIterator[tuple[int, ReqState]]:
@@ -332,10 +347,11 @@ async def run_streams(
     request's last state (finished_reason set) exactly once. The first error is raised and
     every other request aborted; closing the iterator early aborts the unfinished ones."""
     queue: asyncio.Queue = asyncio.Queue()
+    prompts = await prepare_all(tm, reqs)
 
     async def pump(i: int, req: ReqInput) -> None:
         try:
-            async for state in tm.generate(req):
+            async for state in tm.generate(req, prompts[i]):
                 queue.put_nowait((i, state, None))
         except Exception as e:
             queue.put_nowait((i, None, e))

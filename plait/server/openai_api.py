@@ -35,7 +35,7 @@ token_router = APIRouter()
 
 MAX_TOP_LOGPROBS = 20
 # SamplingParams' field names -> the OpenAI request's, for error messages.
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+OPENAI_NAMES = {"min_new_tokens": "min_tokens"}  # max_new_tokens: FieldNames.max_tokens
 
 
 # ---------------------------------------------------------------------- request models
@@ -176,11 +176,21 @@ def check_model(request: Request, model: str | None) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class FieldNames:
+    """How one OpenAI request names the fields that plait's errors carry by SamplingParams'
+    and /generate's names."""
+
+    prompt: str = "prompt"  # completions' prompt (prompt.i in a batch); chat's messages
+    max_tokens: str = "max_tokens"  # chat's max_completion_tokens when the request gives it
+    constraint: str | None = None  # the field a constraint came from: response_format, tools
+
+
 def sampling_params(
     req: _Sampling, max_tokens: int | None, constraint: dict[str, Any],
-    constraint_field: str | None = None,
+    names: FieldNames = FieldNames(),
 ) -> SamplingParams:
-    """`constraint` from the request field `constraint_field` (response_format, tools)."""
+    """`constraint` from the request field `names.constraint` (response_format, tools)."""
     d: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "min_new_tokens": req.min_tokens,
@@ -208,17 +218,23 @@ def sampling_params(
     try:
         return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
     except RequestError as e:
-        raise openai_error(e, constraint_field) from None
+        raise openai_error(e, names) from None
 
 
-def openai_error(e: RequestError, constraint_field: str | None = None) -> RequestError:
-    """Names SamplingParams' fields as the OpenAI request does (max_new_tokens -> max_tokens;
-    a constraint given as response_format -> response_format)."""
+def openai_error(e: RequestError, names: FieldNames = FieldNames()) -> RequestError:
+    """Names SamplingParams' fields as the OpenAI request does (max_new_tokens -> max_tokens
+    or max_completion_tokens; a constraint given as response_format -> response_format), and
+    the prompt (/generate's text.i / input_ids.i): completions' prompt.i, chat's messages."""
     field = e.field
+    head, dot, rest = (field or "").partition(".")
+    if head in ("text", "input_ids"):
+        return e.renamed(names.prompt + (dot + rest if names.prompt == "prompt" else ""))
+    if field == "max_new_tokens":
+        return e.renamed(names.max_tokens)
     if field in OPENAI_NAMES:
         return e.renamed(OPENAI_NAMES[field])
-    if constraint_field and field in ("json_schema", "json_object", "structural_tag"):
-        return e.renamed(constraint_field)
+    if names.constraint and field in ("json_schema", "json_object", "structural_tag"):
+        return e.renamed(names.constraint)
     return e
 
 
@@ -317,6 +333,8 @@ def normalize(
     req: _Sampling,
     top_logprobs: int | None,
     return_logprob: bool,
+    names: FieldNames = FieldNames(),
+    logprob_start_len: int | None = None,
 ) -> list[ReqInput]:
     """The OpenAI request as a GenerateInput, normalized: prompt i, sample j -> choice
     index i * n + j."""
@@ -327,28 +345,22 @@ def normalize(
         sampling_params=sp,
         stream=req.stream,
         return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len,
         top_logprobs_num=top_logprobs,
         priority=req.priority,
     )
     try:
         reqs = http_common.normalize(request, inp).reqs
     except RequestError as e:
-        raise _prompt_error(e) from None
+        raise openai_error(e, names) from None
     return reqs
 
 
-def _prompt_error(e: RequestError) -> RequestError:
-    """normalize names a batch's prompts text.i / input_ids.i; OpenAI's field is `prompt`."""
-    if e.field and e.field.split(".")[0] in ("text", "input_ids"):
-        return e.renamed("prompt" + e.field[len(e.field.split(".")[0]) :])
-    return openai_error(e)
-
-
-async def run(request: Request, reqs: list[ReqInput], constraint_field: str | None = None):
+async def run(request: Request, reqs: list[ReqInput], names: FieldNames = FieldNames()):
     try:
         return await http_common.run_to_end(request, reqs)
     except RequestError as e:
-        raise openai_error(e, constraint_field) from None
+        raise openai_error(e, names) from None
 
 
 def response_head(request: Request, id_prefix: str, obj: str) -> dict[str, Any]:
@@ -387,28 +399,46 @@ def usage(states: list[ReqState], n: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- logprobs
 def completion_logprobs(
-    state: ReqState, start: int, end: int, texts: TokenTexts, text_offset: int
+    state: ReqState, start: int, end: int, texts: TokenTexts, text_offset: int,
+    echo: bool = False,
 ) -> dict[str, Any]:
-    """OpenAI's legacy logprobs object for output tokens [start, end)."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    """OpenAI's legacy logprobs object for output tokens [start, end); with `echo`, the
+    prompt's tokens first (the first one's logprob null, as OpenAI and vLLM give it)."""
+    entries = []  # (logprob, token id, top rows or None)
+    if echo:
+        prompt, rows = state.input_token_logprobs or [], state.input_top_logprobs or []
+        entries += [(lp, tok, rows[k] if k < len(rows) else None)
+                    for k, (lp, tok) in enumerate(prompt)]
     rows = state.output_top_logprobs
-    for k in range(start, end):
-        lp, tok = state.output_token_logprobs[k]
+    entries += [(*state.output_token_logprobs[k], rows[k] if k < len(rows) else None)
+                for k in range(start, end)]
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for lp, tok, top in entries:
         text = texts(tok)
         tokens.append(text)
         token_logprobs.append(lp)
         offsets.append(text_offset)
         text_offset += len(text)
-        if k < len(rows) and rows[k]:
-            tops.append({texts(t): v for v, t in rows[k]})
-        else:
-            tops.append(None)
+        tops.append(_top_with_token(top or [], text, lp, texts))
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def _top_with_token(
+    top: list, text: str, logprob: float | None, texts: TokenTexts
+) -> dict[str, float] | None:
+    """A legacy top_logprobs entry: the top-k and the chosen token, which OpenAI always
+    includes ("up to logprobs+1 elements"); None for a token without a logprob (the first of
+    an echoed prompt)."""
+    if logprob is None:
+        return None
+    entry = {texts(t): v for v, t in top}
+    entry.setdefault(text, logprob)
+    return entry
 
 
 def chat_logprobs(state: ReqState, start: int, end: int, texts: TokenTexts) -> dict[str, Any]:
@@ -494,25 +524,29 @@ async def detokenize(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------------- endpoints
-@router.get("/models")
-async def list_models(request: Request) -> Response:
+def _model_card(request: Request) -> dict[str, Any]:
     state = request.app.state
     tm = state.tokenizer_manager
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": int(state.start_time),
-                    "owned_by": "plait",
-                    "root": tm.model_info["model_path"],
-                    "max_model_len": tm.context_length,
-                }
-            ],
-        }
-    )
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.start_time),
+        "owned_by": "plait",
+        "root": tm.model_info["model_path"],
+        "max_model_len": tm.context_length,
+    }
+
+
+@router.get("/models")
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+
+
+@router.get("/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> Response:
+    """OpenAI's models.retrieve (SGLang serves it too); a served name's card is the one model's."""
+    check_model(request, model)
+    return JSONResponse(_model_card(request))
 
 
 @router.post("/completions")
@@ -529,7 +563,10 @@ async def completions(request: Request) -> Response:
         raise RequestError("echo", "not supported with stream")
     prompts = _completion_prompts(req.prompt)
     sp = sampling_params(req, req.max_tokens, {})
-    inputs = normalize(request, prompts, sp, req, req.logprobs, req.logprobs is not None)
+    # echo + logprobs scores the prompt too (lm-evaluation-harness's loglikelihood)
+    echo_logprobs = req.echo and req.logprobs is not None
+    inputs = normalize(request, prompts, sp, req, req.logprobs, req.logprobs is not None,
+                       logprob_start_len=0 if echo_logprobs else None)
     tm = http_common.tokenizer_manager(request)
     texts = TokenTexts(tm.tokenizer)
     head = response_head(request, "cmpl", "text_completion")
@@ -552,7 +589,8 @@ async def completions(request: Request) -> Response:
                 "text": prefix + s.text,
                 "logprobs": None
                 if req.logprobs is None
-                else completion_logprobs(s, 0, len(s.output_token_logprobs), texts, len(prefix)),
+                else completion_logprobs(s, 0, len(s.output_token_logprobs), texts, 0,
+                                         echo_logprobs),
                 "finish_reason": finish_reason(s),
             }
         )
@@ -609,8 +647,15 @@ async def chat_completions(request: Request) -> Response:
     else:
         constraint = response_format_constraint(fmt)
         constraint_field = "response_format" if fmt is not None and fmt.type != "text" else None
-    sp = sampling_params(req, max_tokens, constraint, constraint_field)
-    inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs)
+    names = FieldNames(
+        prompt="messages",
+        max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
+        else "max_tokens",
+        constraint=constraint_field,
+    )
+    sp = sampling_params(req, max_tokens, constraint, names)
+    inputs = normalize(request, [{"input_ids": ids}], sp, req, req.top_logprobs, req.logprobs,
+                       names)
     texts = TokenTexts(tm.tokenizer)
     head = response_head(request, "chatcmpl", "chat.completion")
     if req.stream:
@@ -623,9 +668,9 @@ async def chat_completions(request: Request) -> Response:
             first_chunks=roles,
             usage_n=req.n if _include_usage(req) else None,
             continuous_usage=_continuous_usage(req),
-            constraint_field=constraint_field,
+            names=names,
         )
-    states = await run(request, inputs, constraint_field)
+    states = await run(request, inputs, names)
     choices = [
         {
             "index": i,
@@ -684,7 +729,7 @@ async def stream_response(
     first_chunks: list[dict] | None = None,
     usage_n: int | None = None,
     continuous_usage: bool = False,
-    constraint_field: str | None = None,
+    names: FieldNames = FieldNames(),
 ) -> Response:
     """SSE response of OpenAI chunks: `render` turns each Delta into chunk bodies (without
     the shared `head` fields); with usage_n (= n) a last chunk carries the usage, and with
@@ -712,7 +757,7 @@ async def stream_response(
             yield {**head, "choices": [], "usage": usage(states, usage_n)}
 
     return await http_common.sse_response(
-        request, inputs, chunks, lambda e: openai_error(e, constraint_field)
+        request, inputs, chunks, lambda e: openai_error(e, names)
     )
 
 

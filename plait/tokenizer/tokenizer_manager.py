@@ -105,7 +105,7 @@ class TokenizerManager:
 
     def validate(self, ids: list[int], req: ReqInput) -> None:
         """The checks that need the token ids; the fields were checked by normalize()."""
-        field = "text" if req.text is not None else "input_ids"
+        field = req.prompt_name
         sp = req.sampling_params
         if not ids:
             raise RequestError(field, "the prompt is empty")
@@ -140,13 +140,17 @@ class TokenizerManager:
         if self.dead:
             raise RequestError(None, f"server unavailable: {self.dead}", 503)
 
-    async def generate(self, req: ReqInput) -> AsyncIterator[ReqState]:
+    async def generate(
+        self, req: ReqInput, ids: list[int] | None = None
+    ) -> AsyncIterator[ReqState]:
         """Yields the request's state each time output arrives (every step when streaming,
-        once at the end otherwise); the last one has finished_reason set."""
+        once at the end otherwise); the last one has finished_reason set. `ids`: the prompt,
+        already tokenized and validated (http_common.prepare_all), else done here."""
         self.check_alive()
         started = time.monotonic()
-        ids = await self.tokenize(req)
-        self.validate(ids, req)
+        if ids is None:
+            ids = await self.tokenize(req)
+            self.validate(ids, req)
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError("rid", f"request id {rid!r} is already in use")

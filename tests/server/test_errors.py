@@ -131,6 +131,61 @@ def test_a_constraint_the_scheduler_refuses_names_its_sampling_params_field(http
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("value, text", [(-5, "must be in"), (10**6, "context length")])
+def test_max_completion_tokens_errors_name_it(http, stream, value, text):
+    """A bad max_completion_tokens is named as the request gave it (it said max_tokens, a field
+    the request did not send)."""
+    body = {"messages": CHAT, "max_completion_tokens": value, "stream": stream}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400, text)
+    assert err["param"] == "max_completion_tokens", err
+
+
+def test_min_tokens_over_max_tokens_speaks_openai(http):
+    body = {"prompt": "x", "max_tokens": 4, "min_tokens": 9}
+    err = assert_error(http.post("/v1/completions", json=body), 400, "min_tokens")
+    assert "max_new_tokens" not in err["message"], err
+
+
+LONG_TEXT, LONG_IDS = "word " * 5000, list(range(100, 5100))  # over the tiny model's context
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": LONG_TEXT}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", LONG_TEXT]}, "prompt.1"),
+        ("/v1/completions", {"prompt": [[5, 6], LONG_IDS]}, "prompt.1"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_TEXT}]},
+         "messages"),
+        ("/generate", {"text": ["ok", LONG_TEXT]}, "text.1"),
+        ("/generate", {"input_ids": [[5, 6], LONG_IDS]}, "input_ids.1"),
+    ],
+)
+def test_a_prompt_over_the_context_is_named_as_the_request_has_it(http, path, body, param):
+    """The context-length check runs on the token ids, after normalize(); its error names the
+    prompt as the caller wrote it (OpenAI's prompt / messages, a batch's index), not the
+    internal text / input_ids of one prompt."""
+    err = assert_error(http.post(path, json=body), 400, "context length")
+    assert err["param"] == param, err
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": ["ok", LONG_TEXT], "max_tokens": 50}),
+        ("/generate", {"text": ["ok", LONG_TEXT], "sampling_params": {"max_new_tokens": 50}}),
+    ],
+)
+def test_a_streamed_batch_with_a_bad_prompt_is_a_status_not_an_event(http, path, body):
+    """Every prompt of a batch is tokenized and checked before any of them runs: a prompt over
+    the context is a 400, not a 200 whose stream carries the first prompt's tokens and then
+    an error event (its tokenizing took longer than the first prompt's first token)."""
+    resp = http.post(path, json={**body, "stream": True})
+    err = assert_error(resp, 400, "context length")
+    assert err["param"] in ("prompt.1", "text.1"), err
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_bad_request_while_streaming_is_a_status_not_an_event(http, stream):
     body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 10**6, "stream": stream}
     assert_error(http.post("/v1/chat/completions", json=body), 400, "max_tokens")

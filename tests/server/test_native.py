@@ -125,6 +125,18 @@ def test_logprobs(http):
     assert [lp for lp, _, _ in inp2] == pytest.approx([lp for lp, _, _ in inp[2:]], abs=1e-4)
 
 
+@pytest.mark.parametrize("max_new_tokens", [0, 2])
+def test_input_logprobs_of_a_one_token_prompt(http, max_new_tokens):
+    """A one-token prompt's input logprobs are its one entry [None, id, None], as for the first
+    token of a longer prompt (there was no logit row to compute, and it was left out)."""
+    out = generate(http, input_ids=[1000], sampling_params={"max_new_tokens": max_new_tokens},
+                   return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    meta = out["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, 1000, None]]
+    assert meta["input_top_logprobs"] == [None]
+    assert len(meta["output_token_logprobs"]) == max_new_tokens
+
+
 def test_max_new_tokens_zero_is_a_prefill(http):
     out = generate(http, text="only prefill this", sampling_params={"max_new_tokens": 0})
     assert out["text"] == "" and out["output_ids"] == []

@@ -36,6 +36,17 @@ def test_models(client):
     assert [m.id for m in models] == [MODEL_NAME]
 
 
+def test_retrieve_model(client):
+    """GET /v1/models/{model} (the client's models.retrieve), as OpenAI and SGLang serve it:
+    the served model's card; another name is a 404 model_not_found naming it."""
+    model = client.models.retrieve(MODEL_NAME)
+    assert model.id == MODEL_NAME and model.object == "model"
+    assert model == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-7")
+    assert e.value.body["code"] == "model_not_found" and "gpt-7" in e.value.body["message"]
+
+
 def test_chat_completion(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=0)
     assert r.object == "chat.completion" and r.model == MODEL_NAME and r.id.startswith("chatcmpl-")
@@ -153,6 +164,19 @@ def test_completion_logprobs(client):
         assert top.get(token) == pytest.approx(logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize("logprobs", [0, 1])
+def test_completion_top_logprobs_hold_the_sampled_token(client, logprobs):
+    """OpenAI's legacy logprobs: "the API will always return the logprob of the sampled token,
+    so there may be up to logprobs+1 elements" (vLLM too): logprobs=0 gives the sampled token
+    alone (it gave null), and a sampled token outside the top-k is added to them."""
+    r = client.completions.create(model=MODEL_NAME, prompt="Roll the dice:", max_tokens=8,
+                                  temperature=2.0, seed=7, logprobs=logprobs)
+    lp = r.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top is not None and 1 <= len(top) <= logprobs + 1
+        assert top[token] == pytest.approx(logprob, abs=1e-4)
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(
         model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
@@ -259,6 +283,31 @@ def test_token_id_prompt_and_echo(client):
         model=MODEL_NAME, prompt="Echo me", max_tokens=3, temperature=0
     )
     assert echoed.choices[0].text == "Echo me" + plain.choices[0].text
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_with_logprobs_scores_the_prompt(client, http, max_tokens):
+    """echo + logprobs returns the prompt tokens' logprobs before the completion's, the first
+    one null, as OpenAI and vLLM do: what lm-evaluation-harness's loglikelihood reads
+    (max_tokens=0). The values are /generate's input logprobs of the same prompt."""
+    prompt = "The quick brown fox jumps"
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
+                                  temperature=0, echo=True, logprobs=1)
+    (choice,) = r.choices
+    lp = choice.logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(
+        lp.text_offset) == n_prompt + max_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens) == choice.text
+    native = http.post("/generate", json={
+        "text": prompt, "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 0}).json()["meta_info"]
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(
+        [v for v, _, _ in native["input_token_logprobs"][1:]], abs=1e-4)
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert logprob <= 0 and len(top) >= 1
 
 
 def test_user_and_penalties_accepted(client):
