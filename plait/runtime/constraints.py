@@ -368,8 +368,8 @@ class ConstraintTracker:
         if not m.accept_token(token):
             return None  # (the emit reports the grammar's refusal)
         try:
-            if m.is_terminated():
-                return None
+            if m.is_terminated() or (remaining == 1 and m.can_terminate()):
+                return None  # whole after it (the budget's last token: it ends by length)
             ids = req.output_ids + [token]
             if plan is not None and len(plan) + 1 < remaining and self._completes(m, plan):
                 self._keep_plan(req, plan, len(ids), remaining - 1)

@@ -103,6 +103,16 @@ def test_a_budget_ending_where_the_output_is_whole_is_not_cut_short(engine):
         assert (a["output_ids"], a["text"]) == (b["output_ids"], b["text"])
 
 
+def test_a_regex_match_that_may_go_on_runs_to_the_budget(engine):
+    """The budget's last token is kept where the output can end after it: `[a-z]+` after 8
+    letters is whole, so it ends by length (it was: the 8th token replaced by EOS, "stop")."""
+    for out in engine.generate(PROMPTS, {"max_new_tokens": 8, "temperature": 0.0,
+                                         "regex": "[a-z]+"}):
+        assert out["meta_info"]["finish_reason"] == {"type": "length"}, out["meta_info"]
+        assert out["meta_info"]["completion_tokens"] == 8
+        assert re.fullmatch("[a-z]+", out["text"]), out["text"]
+
+
 @pytest.mark.parametrize("constraint, least", [
     ({"regex": r"-?[0-9]{1,10}\]"}, 3),
     ({"regex": r"([a-z]+ ){1,4}[0-9]{2}[.]"}, 6),
