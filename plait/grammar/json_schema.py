@@ -547,11 +547,14 @@ class _Normalizer:
         values = _values(core)
         if values is not None:
             return not any(self.is_valid(json.loads(v), raw, "oneOf") for v in values)
-        return _closed_object(core) and self.object_excluded(core, raw)
+        return isinstance(core, dict) and core.get("type") == "object" and (
+            self.object_excluded(core, raw))
 
     def object_excluded(self, core: dict, raw: dict) -> bool:
         required = raw.get("required")
-        if isinstance(required, list) and any(k not in core["properties"] for k in required):
+        if _closed_object(core) and isinstance(required, list) and any(
+            k not in core["properties"] for k in required
+        ):
             return True  # core never writes a key that raw requires
         raw_props = raw.get("properties")
         if not isinstance(raw_props, dict):

@@ -59,6 +59,13 @@ PROBES: dict[str, dict] = {
     "oneOf required": {"type": "object", "properties": {"x": {"type": "integer"},
                                                         "y": {"type": "integer"}},
                        "oneOf": [{"required": ["x"]}, {"required": ["y"]}]},
+    "oneOf open branches": {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "a"}}, "required": ["kind"],
+         "additionalProperties": {"type": "integer"}},
+        {"type": "object", "properties": {"kind": {"const": "b"}, "v": {"type": "integer"}},
+         "required": ["kind", "v"], "additionalProperties": {"type": "string"}},
+        {"type": "object", "properties": {"w": {"type": "integer"}}, "required": ["w"],
+         "additionalProperties": False}]},
     "allOf": {"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]},
     "allOf objects": {"allOf": [
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
@@ -230,6 +237,9 @@ def test_supported_features_lists(backends):
                               '{"a": 1, "b": 1, "c": 1}': False, '{"b": 1}': False}),
     ("not of true", {'{"a": 1}': True, '{"a": 1, "b": 1}': False}),
     ("not type", {"3": True, '"x"': False, "null": False}),
+    ("oneOf open branches", {'{"kind": "a", "n": 1}': True, '{"kind": "b", "v": 1}': True,
+                             '{"w": 1}': True, '{"kind": "a", "w": 1}': True,
+                             '{"kind": "b"}': False, '{"kind": "c"}': False}),
     ("not required", {'{"a": 1}': True, '{"b": 1, "c": 3}': True, '{"a": 1, "b": 2}': False,
                       '{"a": 1, "b": 2, "c": 3}': False}),
     ("not anchored pattern", {'"abd"': True, '"a b-"': True, '"ab"': False, '""': False,
