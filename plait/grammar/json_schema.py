@@ -101,6 +101,7 @@ JSON_TYPES = ("string", "number", "integer", "object", "array", "boolean", "null
 _MIN_KEYWORDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _MAX_KEYWORDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
 _MAX_MERGE_DEPTH = 32
+_MAX_UNION_DEPTH = 4  # nested anyOf/oneOf levels never_valid looks through
 # integer ranges up to this many values become an exact enum where bounds alone do not work
 _SMALL_RANGE = 128
 # an object's dependencies become one anyOf branch per combination of its conditional keys
@@ -530,15 +531,19 @@ class _Normalizer:
                 )
         return core
 
-    def never_valid(self, core: Any, raw: Any) -> bool:
+    def never_valid(self, core: Any, raw: Any, depth: int = 0) -> bool:
         """True if no output of `core` can pass the raw schema `raw` (a sufficient test)."""
         core = self.deref(core)
         if raw is False:
             return True
-        if not isinstance(raw, dict):
+        if not isinstance(raw, dict) or depth > _MAX_UNION_DEPTH:
             return False
         if isinstance(core, dict) and "anyOf" in core:
-            return all(self.never_valid(branch, raw) for branch in core["anyOf"])
+            return all(self.never_valid(branch, raw, depth) for branch in core["anyOf"])
+        for key in ("anyOf", "oneOf"):  # an output that fails every branch fails the union
+            branches = raw.get(key)
+            if isinstance(branches, list) and branches and self.fails_each(core, branches, depth):
+                return True
         produced, accepted = self.core_types(core), self.accepted_types(raw, 0)
         if produced is not None and accepted is not None and not (
             _widen(produced) & _widen(accepted)
@@ -549,6 +554,13 @@ class _Normalizer:
             return not any(self.is_valid(json.loads(v), raw, "oneOf") for v in values)
         return isinstance(core, dict) and core.get("type") == "object" and (
             self.object_excluded(core, raw))
+
+    def fails_each(self, core: Any, branches: list, depth: int) -> bool:
+        try:
+            return all(self.never_valid(core, self.inline(b, "$", ()), depth + 1)
+                       for b in branches)
+        except GrammarError:  # a branch that cannot be inlined: not shown
+            return False
 
     def object_excluded(self, core: dict, raw: dict) -> bool:
         required = raw.get("required")

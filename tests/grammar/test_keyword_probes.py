@@ -66,6 +66,10 @@ PROBES: dict[str, dict] = {
          "required": ["kind", "v"], "additionalProperties": {"type": "string"}},
         {"type": "object", "properties": {"w": {"type": "integer"}}, "required": ["w"],
          "additionalProperties": False}]},
+    "oneOf beside a nested union": {"oneOf": [
+        {"oneOf": [{"type": "object", "properties": {"t": {"const": "a"}}, "required": ["t"]},
+                   {"type": "object", "properties": {"t": {"const": "b"}}, "required": ["t"]}]},
+        {"type": "object", "properties": {"t": {"enum": ["c", "d"]}}, "required": ["t"]}]},
     "allOf": {"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]},
     "allOf objects": {"allOf": [
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
