@@ -73,6 +73,7 @@ class BatchTokenOut:
     input_top_logprobs: list[list[list[list[Any]]] | None]
     # per-request meta_info extras (forced_tokens, queue_time), merged into the response as is
     extra_meta: list[dict[str, Any]] = field(default_factory=list)
+    include_stop_str: list[bool] = field(default_factory=list)  # (empty: none of them)
     stop_strs: list[list[str]] = field(default_factory=list)  # for trimming and hold-back
 
 

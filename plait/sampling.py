@@ -50,6 +50,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # vLLM's: the stop string that ended the output is kept in its text (no_stop_trim keeps
+    # the whole last token, which may run past it)
+    include_stop_str_in_output: bool = False
     n: int = 1
     seed: int | None = None
     # constraints (see plait.grammar)
@@ -130,7 +133,7 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_object",
-                     "end_on_exit"):
+                     "end_on_exit", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
         for name in ("regex", "ebnf", "json_schema", "structural_tag"):

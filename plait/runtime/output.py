@@ -94,6 +94,7 @@ def _append(out: BatchTokenOut, req: Req) -> None:
     out.cached_tokens.append(req.cached_tokens)
     out.skip_special_tokens.append(req.sampling.skip_special_tokens)
     out.no_stop_trim.append(req.sampling.no_stop_trim)
+    out.include_stop_str.append(req.sampling.include_stop_str_in_output)
     out.stop_strs.append(list(req.sampling.stop))
     out.output_token_logprobs.append(req.output_token_logprobs)
     out.output_top_logprobs.append(req.output_top_logprobs)

@@ -89,6 +89,7 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: StrictBool | None = None
     no_stop_trim: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None  # vLLM's
     # constraints (plait.grammar)
     regex: str | None = None
     ebnf: str | None = None
@@ -208,6 +209,7 @@ def sampling_params(
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
         "no_stop_trim": req.no_stop_trim,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
         "regex": req.regex,
         "ebnf": req.ebnf,
         "json_schema": req.json_schema,

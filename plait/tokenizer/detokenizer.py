@@ -79,7 +79,8 @@ class Detokenizer:
                 before = self.tokenizer.decode(st.ids[:-1], skip_special_tokens=skip)
                 cut = text.find(matched, stop_search_start(before, matched))
                 if cut >= 0:
-                    text = text[:cut]
+                    keep = msg.include_stop_str[i] if msg.include_stop_str else False
+                    text = text[: cut + len(matched) if keep else cut]
             return text[st.sent :]
         self._decode_incremental(st, skip)
         end = len(st.text) - _holdback(st.text, stops)

@@ -252,6 +252,20 @@ def test_stop_string(client):
     assert r.choices[0].text == text[: text.index(stop)]
 
 
+def test_include_stop_str_in_output_keeps_exactly_the_stop_string(client):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, not past it
+    (no_stop_trim keeps the whole last token), streamed the same."""
+    base = dict(model=MODEL_NAME, prompt="Count: one two three", temperature=0, max_tokens=12)
+    text = client.completions.create(**base).choices[0].text
+    stop = text[3:5]  # two characters: inside a token, so the token runs past it
+    extra = {"include_stop_str_in_output": True}
+    r = client.completions.create(**base, stop=[stop], extra_body=extra)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.index(stop) + len(stop)]
+    chunks = client.completions.create(**base, stop=[stop], extra_body=extra, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
 def test_usage_reports_cached_tokens_of_a_repeated_prefix(client):
     prefix = "A long shared instruction that every request repeats. " * 8
     first = client.completions.create(model=MODEL_NAME, prompt=prefix + "Q1", max_tokens=2)
