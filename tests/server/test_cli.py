@@ -60,6 +60,26 @@ def test_bad_flag_values_fail_fast():
     assert run.returncode == 2 and "max_running_requests" in run.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, value, field",
+    [
+        ("--port", "70000", "port"),
+        ("--port", "-1", "port"),
+        ("--context-length", "0", "context_length"),
+        ("--context-length", "-4", "context_length"),
+    ],
+)
+def test_out_of_range_values_are_named_before_anything_starts(flag, value, field):
+    run = subprocess.run(
+        [*PLAIT, "serve", "--model", "/no/such/model", flag, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stderr
+    assert f"plait serve: {field}: " in run.stderr and "Traceback" not in run.stderr
+
+
 def test_serve_on_a_busy_port_fails_before_loading(tiny_llama):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
