@@ -42,6 +42,25 @@ def test_bad_input_is_a_value_error_naming_the_field(engine, kwargs, field):
     assert engine.generate("still serving", GREEDY)["meta_info"]["completion_tokens"] == 8
 
 
+def test_a_request_over_the_kv_pool_names_its_field(tiny_llama):
+    """A pool smaller than the context (--max-total-tokens 512, context 4096): a prompt that
+    cannot fit is the prompt's fault, a prompt that fits but not with its new tokens is
+    max_new_tokens' (the error carries the field, as the context-length check's does)."""
+    with plait.Engine(tiny_llama, max_total_tokens=512) as small:
+        with pytest.raises(ValueError, match="KV pool") as e:
+            small.generate(input_ids=[5] * 600, sampling_params={"max_new_tokens": 1})
+        assert e.value.field == "input_ids"
+        with pytest.raises(ValueError, match="KV pool") as e:
+            small.generate("x " * 600, {"max_new_tokens": 1})
+        assert e.value.field == "prompt"
+        with pytest.raises(ValueError, match="KV pool") as e:
+            small.generate(input_ids=[5] * 200, sampling_params={"max_new_tokens": 400})
+        assert e.value.field == "max_new_tokens"
+        out = small.generate(input_ids=[5] * 200, sampling_params={**GREEDY, "max_new_tokens": 300,
+                                                                   "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 300
+
+
 def test_unknown_server_argument():
     with pytest.raises(TypeError, match="no_such_flag"):
         plait.Engine(no_such_flag=True)
