@@ -4,6 +4,7 @@ streaming, abort-free shutdown."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -151,6 +152,61 @@ def test_a_batch_reaches_the_scheduler_whole(engine):
 async def test_async_generate(engine):
     out = await engine.async_generate("async prompt", GREEDY)
     assert out["meta_info"]["completion_tokens"] == 8
+
+
+def test_leaving_the_engine_while_requests_run_ends_them_and_later_calls(tiny_llama):
+    """`with Engine(...)` left (shutdown) while other threads wait on a generate and on a
+    stream: both end with an error naming the shutdown, as does any later call; none hangs."""
+    import threading
+
+    from tests.procs import alive
+
+    long = {"max_new_tokens": 3000, "ignore_eos": True}
+    errors: dict = {}
+    streamed = threading.Event()
+
+    def blocking():
+        try:
+            engine.generate("in flight", long)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            errors["generate"] = e
+
+    def streaming():
+        try:
+            for _ in engine.generate("streamed", long, stream=True):
+                streamed.set()
+        except Exception as e:  # noqa: BLE001
+            errors["stream"] = e
+
+    with plait.Engine(tiny_llama, max_total_tokens=8192) as engine:
+        pids = [p.pid for p in engine._children.procs.values()]
+        callers = [threading.Thread(target=f, daemon=True) for f in (blocking, streaming)]
+        for caller in callers:
+            caller.start()
+        assert streamed.wait(60)
+        deadline = time.monotonic() + 60
+        while engine.get_server_info()["num_running"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    for caller in callers:
+        caller.join(30)
+        assert not caller.is_alive(), "a call in flight hangs after shutdown"
+    for name in ("generate", "stream"):
+        assert isinstance(errors[name], ValueError) and "shut down" in str(errors[name]), errors
+    later: dict = {}
+
+    def call_later():
+        try:
+            engine.generate("after", GREEDY)
+        except Exception as e:  # noqa: BLE001
+            later["error"] = e
+
+    caller = threading.Thread(target=call_later, daemon=True)
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive(), "a call after shutdown hangs"
+    assert isinstance(later["error"], ValueError) and "shut down" in str(later["error"])
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("ending", ["exit", "kill"])
