@@ -167,6 +167,22 @@ def test_a_broken_checkpoint_is_named_and_leaves_nothing_running(
         proc.wait()
 
 
+@pytest.mark.parametrize("content", [None, '{"sk-a": ', '["sk-a"]'], ids=["missing", "bad-json", "list"])
+def test_a_bad_api_key_file_is_named_before_the_model_loads(tmp_path, content):
+    keys = tmp_path / "keys.json"
+    if content is not None:
+        keys.write_text(content)
+    run = subprocess.run(
+        [*PLAIT, "serve", "--model", "/no/such/model", "--api-key-file", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1, run.stderr
+    assert "api_key_file" in run.stderr and str(keys) in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "model_path" not in run.stderr, run.stderr
+
+
 def test_server_process_rejects_unknown_args_before_starting():
     with pytest.raises(TypeError, match="max_runing_requests"):
         ServerProcess(max_runing_requests=3)
