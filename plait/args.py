@@ -345,6 +345,14 @@ class ServerArgs:
             raise ValueError(
                 f"cuda_graph_max_bs: must be a positive integer, got {self.cuda_graph_max_bs!r}"
             )
+        if not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise ValueError(f"port: must be in 1..65535, got {self.port!r}")
+        if self.context_length is not None and (
+            not isinstance(self.context_length, int) or self.context_length < 1
+        ):
+            raise ValueError(
+                f"context_length: must be a positive integer, got {self.context_length!r}"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens: must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static <= 0.95:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +20,10 @@ from plait.errors import RequestError
 from plait.io_struct import GenerateInput, ReqInput, format_output
 from plait.launch import launch_with_tokenizer
 from plait.tokenizer.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+SHUT_DOWN = "the Engine is shut down"
 
 
 class Engine:
@@ -30,12 +36,14 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="plait-engine", daemon=True)
         self._thread.start()
+        # _submit checks _closed under this lock: nothing reaches the loop once it stops
+        self._lock = threading.Lock()
+        self._closed = False
         children = self._children
         self.tokenizer_manager = TokenizerManager(
             self.args, self.tokenizer, children.model_info, children.addrs, children.procs
         )
         self._call(self.tokenizer_manager.start())
-        self._closed = False
         atexit.register(self.shutdown)  # an Engine never shut down still stops its children
 
     @property
@@ -76,8 +84,7 @@ class Engine:
                                           logprob_start_len, top_logprobs_num, stream)
         if stream:
             return self._astream(inputs[0])
-        fut = asyncio.run_coroutine_threadsafe(self._generate_all(inputs), self._loop)
-        outs = await asyncio.wrap_future(fut)
+        outs = await asyncio.wrap_future(self._submit(self._generate_all(inputs)))
         return outs if batched else outs[0]
 
     def _normalize(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
@@ -124,7 +131,8 @@ class Engine:
                 sent_text, sent_ids = len(state.text), len(state.output_ids)
                 yield chunk
         finally:
-            self._call(agen.aclose())
+            if not self._closed:
+                self._call(agen.aclose())
 
     async def _astream(self, inp: ReqInput):
         it = self._stream(inp)
@@ -143,17 +151,37 @@ class Engine:
         return {**self.model_info, **stats}
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Stop the children. Calls still running (other threads' generate, streams) end
+        with an error saying so, as does every later call."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         atexit.unregister(self.shutdown)
         try:
-            self._call(self.tokenizer_manager.close(), timeout=5)
-        except Exception:
-            pass
+            asyncio.run_coroutine_threadsafe(self._end_calls(), self._loop).result(10)
+        except Exception:  # shutting down regardless; what is left is cancelled below
+            logger.warning("Engine shutdown: ending the calls in flight failed", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # whatever _end_calls missed is cancelled, not left
+            self._loop.run_until_complete(_cancel_other_tasks())
+            self._loop.close()
         self._children.shutdown()
+
+    async def _end_calls(self) -> None:
+        """Fail every unfinished request, let the calls waiting on them raise, then close
+        the TokenizerManager."""
+        tm = self.tokenizer_manager
+        for state in list(tm.states.values()):
+            if state.finished_reason is None and state.error is None:
+                state.error = RequestError(None, SHUT_DOWN, 503)
+                state.event.set()
+        calls = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()
+                 and t not in tm._tasks]
+        if calls:
+            await asyncio.wait(calls, timeout=5)
+        await tm.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -162,7 +190,21 @@ class Engine:
         self.shutdown()
 
     def _call(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._submit(coro).result(timeout)
+
+    def _submit(self, coro) -> concurrent.futures.Future:
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RequestError(None, SHUT_DOWN, 503)
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+
+async def _cancel_other_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _engine_error(e: RequestError) -> RequestError:

@@ -202,7 +202,11 @@ class ChildProcess:
             raise RuntimeError(f"the {self.name} process exited during start-up (code {self.exitcode})")
         info = json.loads(b"".join(chunks))
         if info.get("status") != "ready":
-            logger.error("%s start-up failed:\n%s", self.name, info.get("traceback", ""))
+            # a ValueError is plait's own named error (a bad checkpoint, an option the model
+            # does not fit): its message says it all; anything else is a bug, shown in full
+            expected = info.get("error", "").startswith("ValueError: ")
+            logger.log(logging.DEBUG if expected else logging.ERROR, "%s start-up failed:\n%s",
+                       self.name, info.get("traceback", ""))
             raise ValueError(f"{self.name} failed to start: {info.get('error')}")
         return info
 

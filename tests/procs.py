@@ -30,3 +30,18 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie runs no code
     except OSError:
         return False
+
+
+def group_members(pgid: int) -> set[int]:
+    """Every live process of process group pgid (a server started with start_new_session)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.add(int(entry))
+    return out

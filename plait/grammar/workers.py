@@ -97,23 +97,37 @@ class ProcessWorker:
             logger.warning("grammar compiler process: %s", e)
 
     def compile(self, key, kind: str, spec: str, timeout: float) -> Outcome:
-        try:
-            self._ensure_started()
-        except GrammarError as e:
-            return e
-        deadline = time.monotonic() + timeout
-        try:
-            write_json(self._child.stdin, {"kind": kind, "spec": spec})
-            reply = json.loads(self._read(deadline))
-            if "ok" in reply:
-                return self._read(deadline)
-            return GrammarError(reply["error"], reply.get("param"))
-        except TimeoutError:
-            self._kill()
-            return TIMED_OUT
-        except (OSError, EOFError, ValueError) as e:
-            self._kill()
-            return GrammarError(f"{kind}: the grammar compiler process failed ({e!r})", kind)
+        """A child that dies during a job (killed from outside, out of memory) gets the job
+        again in a fresh child within the same budget: one death may not be the constraint's
+        fault, and the outcome is cached. A second death fails the job."""
+        left = timeout  # the budget counts compiling, not a child's start-up
+        for attempt in (1, 2):
+            try:
+                self._ensure_started()
+            except GrammarError as e:
+                return e
+            started = time.monotonic()
+            deadline = started + left
+            try:
+                write_json(self._child.stdin, {"kind": kind, "spec": spec})
+                reply = json.loads(self._read(deadline))
+                if "ok" in reply:
+                    return self._read(deadline)
+                return GrammarError(reply["error"], reply.get("param"))
+            except TimeoutError:
+                self._kill()
+                return TIMED_OUT
+            except (OSError, EOFError, ValueError) as e:
+                self._kill()
+                left -= time.monotonic() - started
+                if left <= 0:
+                    return TIMED_OUT
+                if attempt == 2:
+                    return GrammarError(
+                        f"{kind}: the grammar compiler process failed twice ({e!r})", kind
+                    )
+                logger.warning("grammar compiler process failed (%r); compiling again", e)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         if self._child is None:

@@ -35,8 +35,25 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        with open(Path(path) / "config.json") as f:
-            raw = json.load(f)
+        """The checkpoint's config; a missing, unreadable or incomplete config.json is a
+        ValueError naming the file."""
+        file = Path(path) / "config.json"
+        try:
+            with open(file, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"model_path: {path} has no config.json") from None
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError included
+            raise ValueError(f"model_path: {file} is not a readable JSON file ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"model_path: {file} is not a JSON object")  # noqa: TRY004
+        try:
+            return cls._from_raw(path, raw)
+        except KeyError as e:
+            raise ValueError(f"model_path: {file} lacks {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_raw(cls, path: str | Path, raw: dict) -> ModelConfig:
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
         defaults = get_model_entry(arch).defaults

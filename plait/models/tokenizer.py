@@ -22,7 +22,18 @@ _GENERIC = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 
 
 def load_tokenizer(path: str, **kwargs: Any) -> Any:
-    """The tokenizer of the checkpoint directory (or hub id) `path`."""
+    """The tokenizer of the checkpoint directory (or hub id) `path`; one that cannot be
+    loaded is a ValueError naming the path."""
+    try:
+        return _load_tokenizer(path, **kwargs)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())  # transformers' messages span lines
+        raise ValueError(
+            f"cannot load a tokenizer from {path} ({type(e).__name__}: {reason})"
+        ) from None
+
+
+def _load_tokenizer(path: str, **kwargs: Any) -> Any:
     config = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(config) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         with open(config, encoding="utf-8") as f:

@@ -70,13 +70,19 @@ def load_weights(
     """Copy checkpoint tensors into the model, writing HF's separate q/k/v and gate/up
     projections into their rows of the fused parameters. shard(name, tensor) -> the part this
     tensor-parallel rank holds."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     params = dict(model.named_parameters())
     expected = _expected_checkpoint_names(model, params)
     loaded: set[str] = set()
     for file in _safetensor_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            opened = safe_open(str(file), framework="pt", device="cpu")
+        except (SafetensorError, OSError) as e:
+            raise ValueError(
+                f"model_path: {file} is not a readable safetensors file ({e})"
+            ) from None
+        with opened as f:
             for name in f.keys():
                 if name not in expected:
                     if "rotary_emb" in name or (name == "lm_head.weight" and model.lm_head is None):

@@ -190,7 +190,10 @@ class KVPool:
             self.clear()
 
     def clear(self) -> None:
-        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+        # free() may empty the pool inside a forward (the scheduler runs batches under
+        # inference mode): the free list is still written in place outside one afterwards
+        with torch.inference_mode(False):
+            self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
         self._num_free = self.size
 
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from plait.args import ServerArgs
+from plait.errors import RequestError
 from plait.kernels.base import ForwardMode
 from plait.messages import (
     AbortReq,
@@ -257,9 +258,10 @@ class Scheduler:
         sampling = SamplingParams.from_dict(msg.sampling_params)
         need = len(msg.input_ids) + sampling.max_new_tokens
         if need > self.runner.kv_pool.size:
-            raise ValueError(
-                f"max_new_tokens: the request needs {need} KV slots but the whole pool has "
-                f"{self.runner.kv_pool.size}"
+            raise RequestError(
+                "max_new_tokens",
+                f"the request needs {need} KV slots but the whole pool has "
+                f"{self.runner.kv_pool.size}",
             )
         return Req(
             rid=msg.rid, input_ids=list(msg.input_ids), sampling=sampling,

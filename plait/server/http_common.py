@@ -156,10 +156,17 @@ def load_keys(api_key: str | None, api_key_file: str | None) -> dict[bytes, KeyP
     if api_key:
         keys[api_key.encode()] = KeyPolicy("default")
     if api_key_file:
-        with open(api_key_file, encoding="utf-8") as f:
-            data = json.load(f)
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ValueError(f"api_key_file: cannot read {api_key_file}: {e.strerror}") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"api_key_file: {api_key_file} is not valid JSON ({e})") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{api_key_file}: must map each key to its settings")
+            raise ValueError(
+                f"api_key_file: {api_key_file} must map each key to its settings"
+            )
         for key, conf in data.items():
             conf = conf or {}
             unknown = set(conf) - {"name", "rpm", "tpm", "priority"}

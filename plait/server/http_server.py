@@ -365,6 +365,7 @@ def launch_server(args: ServerArgs) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s frontend %(levelname)s %(message)s"
     )
+    load_keys(args.api_key, args.api_key_file)  # a bad key file fails before the model loads
     sock = bind_socket(args.host, args.port)
     signal.signal(signal.SIGTERM, _terminate)  # uvicorn takes over once it runs
     children = None

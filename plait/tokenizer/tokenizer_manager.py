@@ -54,6 +54,7 @@ class TokenizerManager:
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.context_length = model_info["context_length"]
+        self.kv_pool_size = model_info["max_total_tokens"]
         self.procs = procs  # name -> multiprocessing.Process, watched for crashes
         self._addrs = addrs
         self.states: dict[str, ReqState] = {}
@@ -118,6 +119,19 @@ class TokenizerManager:
                 "max_new_tokens",
                 f"{sp.max_new_tokens} new tokens after a {len(ids)}-token prompt exceed the "
                 f"context length {self.context_length}",
+            )
+        # the KV pool may hold fewer tokens than the context (--max-total-tokens); the
+        # scheduler refuses such a request too, but only here is the prompt's field known
+        if len(ids) > self.kv_pool_size:
+            raise RequestError(
+                field, f"{len(ids)} tokens, over the KV pool of {self.kv_pool_size} tokens "
+                "(--max-total-tokens)",
+            )
+        if len(ids) + sp.max_new_tokens > self.kv_pool_size:
+            raise RequestError(
+                "max_new_tokens",
+                f"{sp.max_new_tokens} new tokens after a {len(ids)}-token prompt exceed the "
+                f"KV pool of {self.kv_pool_size} tokens (--max-total-tokens)",
             )
         if req.return_logprob:
             if req.logprob_start_len > len(ids):

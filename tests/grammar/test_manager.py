@@ -4,7 +4,9 @@ compiles on both engines, stats, shutdown, and the backend registry."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from plait.grammar.base import GrammarError
 from plait.grammar.manager import GrammarManager, create_grammar_backend
 from tests.grammar.conftest import BACKENDS
+from tests.procs import descendants
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
 # Real compiles that take seconds (measured ~2-3 s each on one core): xgrammar's cost grows
@@ -202,6 +205,59 @@ def test_process_isolation_kills_a_slow_compile_and_serves_the_next(make_manager
     stats = manager.stats()
     assert stats["isolation"] == "process" and stats["timeouts"] == 1
     assert stats["abandoned_running"] == 0  # the child was killed, nothing lingers
+
+
+@pytest.mark.heavy
+def test_a_compiler_process_killed_mid_compile_does_not_refuse_the_constraint(make_manager):
+    """The child dies for a reason of its own (OOM killer, an operator's kill) while compiling
+    a valid constraint: the compile is retried in a fresh child, and nothing refuses it later."""
+    manager = make_manager("outlines", compile_timeout=120.0, num_workers=1, isolation="process")
+    child = _wait_for_compiler_child()
+    idle_cpu = _cpu_ticks(child)
+    kind, spec = SLOW["outlines"]
+    future = manager.submit(kind, spec)
+    deadline = time.monotonic() + 60
+    while _cpu_ticks(child) < idle_cpu + 20:  # compiling (0.2 s of CPU into the job)
+        assert time.monotonic() < deadline, "the compiler child never started the job"
+        time.sleep(0.01)
+    os.kill(child, signal.SIGKILL)
+    assert future.result(timeout=120) is not None
+    assert manager.submit(kind, spec).result(timeout=120) is not None
+    assert manager.stats()["failures"] == 0
+
+
+def _wait_for_compiler_child() -> int:
+    """The manager's compiler process, once it waits for jobs."""
+    deadline = time.monotonic() + 60
+    while True:
+        children = [
+            pid for pid in descendants(os.getpid())
+            if b"plait.grammar.compiler_process" in _cmdline(pid)
+        ]
+        if children:
+            break
+        assert time.monotonic() < deadline, "no compiler process started"
+        time.sleep(0.05)
+    while True:  # started: idle once its CPU time stops growing (its vocabulary tables built)
+        ticks = _cpu_ticks(children[0])
+        time.sleep(0.5)
+        if _cpu_ticks(children[0]) == ticks:
+            return children[0]
+        assert time.monotonic() < deadline + 120, "the compiler process never went idle"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def test_isolation_is_checked(tokenizer, vocab_size, eos_ids):

@@ -4,6 +4,7 @@ streaming, abort-free shutdown."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -40,6 +41,25 @@ def test_bad_input_is_a_value_error_naming_the_field(engine, kwargs, field):
     with pytest.raises(ValueError, match=field):
         engine.generate(**kwargs)
     assert engine.generate("still serving", GREEDY)["meta_info"]["completion_tokens"] == 8
+
+
+def test_a_request_over_the_kv_pool_names_its_field(tiny_llama):
+    """A pool smaller than the context (--max-total-tokens 512, context 4096): a prompt that
+    cannot fit is the prompt's fault, a prompt that fits but not with its new tokens is
+    max_new_tokens' (the error carries the field, as the context-length check's does)."""
+    with plait.Engine(tiny_llama, max_total_tokens=512) as small:
+        with pytest.raises(ValueError, match="KV pool") as e:
+            small.generate(input_ids=[5] * 600, sampling_params={"max_new_tokens": 1})
+        assert e.value.field == "input_ids"
+        with pytest.raises(ValueError, match="KV pool") as e:
+            small.generate("x " * 600, {"max_new_tokens": 1})
+        assert e.value.field == "prompt"
+        with pytest.raises(ValueError, match="KV pool") as e:
+            small.generate(input_ids=[5] * 200, sampling_params={"max_new_tokens": 400})
+        assert e.value.field == "max_new_tokens"
+        out = small.generate(input_ids=[5] * 200, sampling_params={**GREEDY, "max_new_tokens": 300,
+                                                                   "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 300
 
 
 def test_unknown_server_argument():
@@ -132,6 +152,61 @@ def test_a_batch_reaches_the_scheduler_whole(engine):
 async def test_async_generate(engine):
     out = await engine.async_generate("async prompt", GREEDY)
     assert out["meta_info"]["completion_tokens"] == 8
+
+
+def test_leaving_the_engine_while_requests_run_ends_them_and_later_calls(tiny_llama):
+    """`with Engine(...)` left (shutdown) while other threads wait on a generate and on a
+    stream: both end with an error naming the shutdown, as does any later call; none hangs."""
+    import threading
+
+    from tests.procs import alive
+
+    long = {"max_new_tokens": 3000, "ignore_eos": True}
+    errors: dict = {}
+    streamed = threading.Event()
+
+    def blocking():
+        try:
+            engine.generate("in flight", long)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            errors["generate"] = e
+
+    def streaming():
+        try:
+            for _ in engine.generate("streamed", long, stream=True):
+                streamed.set()
+        except Exception as e:  # noqa: BLE001
+            errors["stream"] = e
+
+    with plait.Engine(tiny_llama, max_total_tokens=8192) as engine:
+        pids = [p.pid for p in engine._children.procs.values()]
+        callers = [threading.Thread(target=f, daemon=True) for f in (blocking, streaming)]
+        for caller in callers:
+            caller.start()
+        assert streamed.wait(60)
+        deadline = time.monotonic() + 60
+        while engine.get_server_info()["num_running"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    for caller in callers:
+        caller.join(30)
+        assert not caller.is_alive(), "a call in flight hangs after shutdown"
+    for name in ("generate", "stream"):
+        assert isinstance(errors[name], ValueError) and "shut down" in str(errors[name]), errors
+    later: dict = {}
+
+    def call_later():
+        try:
+            engine.generate("after", GREEDY)
+        except Exception as e:  # noqa: BLE001
+            later["error"] = e
+
+    caller = threading.Thread(target=call_later, daemon=True)
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive(), "a call after shutdown hangs"
+    assert isinstance(later["error"], ValueError) and "shut down" in str(later["error"])
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("ending", ["exit", "kill"])

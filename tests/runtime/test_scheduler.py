@@ -67,6 +67,28 @@ def test_abort_frees_everything(make_scheduler):
     assert s.kv.used == 0 and not s.reqs
 
 
+def test_cache_off_pool_emptied_inside_a_forward_still_frees_outside_one(make_scheduler):
+    """--disable-radix-cache: the last running request finishing inside a forward (under
+    inference mode) empties the pool, which lays its free list out anew; a later free outside
+    a forward (an abort here; retractions and set-aside slots too) must still work. (It raised
+    'Inplace update to inference tensor', and the scheduler process died.)"""
+    s, io = make_scheduler(max_total_tokens=512, disable_radix_cache=True)
+    submit(io, "first", list(range(10, 30)), max_new_tokens=4)
+    drain(s)
+    assert s.runner.kv_pool.free_size == s.runner.kv_pool.size
+    submit(io, "long", list(range(10, 60)), max_new_tokens=300, ignore_eos=True)
+    for _ in range(5):
+        s.step()
+    io.inbox.put(AbortReq("long"))
+    drain(s)
+    submit(io, "after", list(range(10, 30)), max_new_tokens=4)
+    drain(s)
+    assert finished(io)["long"] == {"type": "abort"}
+    assert finished(io)["after"]["type"] == "length"
+    assert outputs(io)["after"] == outputs(io)["first"]
+    assert s.kv.used == 0 and not s.reqs
+
+
 def test_request_larger_than_the_pool_is_refused(make_scheduler):
     s, io = make_scheduler(max_total_tokens=64)
     submit(io, "big", list(range(10, 50)), max_new_tokens=100)

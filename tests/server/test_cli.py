@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import pytest
 from plait.args import ServerArgs
 from plait.cli import build_parser
 from plait.launch import ServerProcess, cli_flags, free_port
+from tests.procs import group_members
 
 PLAIT = [sys.executable, "-m", "plait"]
 
@@ -60,6 +63,26 @@ def test_bad_flag_values_fail_fast():
     assert run.returncode == 2 and "max_running_requests" in run.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, value, field",
+    [
+        ("--port", "70000", "port"),
+        ("--port", "-1", "port"),
+        ("--context-length", "0", "context_length"),
+        ("--context-length", "-4", "context_length"),
+    ],
+)
+def test_out_of_range_values_are_named_before_anything_starts(flag, value, field):
+    run = subprocess.run(
+        [*PLAIT, "serve", "--model", "/no/such/model", flag, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stderr
+    assert f"plait serve: {field}: " in run.stderr and "Traceback" not in run.stderr
+
+
 def test_serve_on_a_busy_port_fails_before_loading(tiny_llama):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,6 +97,90 @@ def test_serve_on_a_busy_port_fails_before_loading(tiny_llama):
         )
     assert run.returncode != 0 and "cannot bind" in run.stderr
     assert time.monotonic() - start < 20
+
+
+def _break_config(d):
+    (d / "config.json").unlink()
+
+
+def _corrupt_config(d):
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]')
+
+
+def _config_without_a_key(d):
+    config = json.loads((d / "config.json").read_text())
+    del config["hidden_size"]
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _no_weights(d):
+    (d / "model.safetensors").unlink()
+
+
+def _truncated_weights(d):
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _garbage_weights(d):
+    (d / "model.safetensors").write_bytes(b"\xff" * 4096)
+
+
+def _no_tokenizer(d):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (d / name).unlink()
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (_break_config, "config.json"),
+        (_corrupt_config, "config.json"),
+        (_config_without_a_key, "hidden_size"),
+        (_no_weights, "safetensors"),
+        (_truncated_weights, "model.safetensors"),
+        (_garbage_weights, "model.safetensors"),
+        (_no_tokenizer, "tokenizer"),
+    ],
+    ids=lambda v: getattr(v, "__name__", v).strip("_"),
+)
+def test_a_broken_checkpoint_is_named_and_leaves_nothing_running(
+    tiny_llama, tmp_path, damage, named
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    damage(model)
+    proc = subprocess.Popen(
+        [*PLAIT, "serve", "--model", str(model), "--port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("plait serve: ") and named in last and str(model) in last, err
+        assert "Traceback" not in err, err
+        assert not group_members(proc.pid)  # no child left behind
+    finally:
+        if proc.poll() is None or group_members(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("content", [None, '{"sk-a": ', '["sk-a"]'], ids=["missing", "bad-json", "list"])
+def test_a_bad_api_key_file_is_named_before_the_model_loads(tmp_path, content):
+    keys = tmp_path / "keys.json"
+    if content is not None:
+        keys.write_text(content)
+    run = subprocess.run(
+        [*PLAIT, "serve", "--model", "/no/such/model", "--api-key-file", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1, run.stderr
+    assert "api_key_file" in run.stderr and str(keys) in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "model_path" not in run.stderr, run.stderr
 
 
 def test_server_process_rejects_unknown_args_before_starting():
