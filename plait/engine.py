@@ -24,6 +24,8 @@ from plait.tokenizer.tokenizer_manager import TokenizerManager
 logger = logging.getLogger(__name__)
 
 SHUT_DOWN = "the Engine is shut down"
+# How long an interrupted call (Ctrl-C, a timeout) waits for its coroutine to end (abort).
+CANCEL_WAIT_S = 10.0
 
 
 class Engine:
@@ -190,7 +192,36 @@ class Engine:
         self.shutdown()
 
     def _call(self, coro, timeout: float | None = None):
-        return self._submit(coro).result(timeout)
+        """Run coro on the engine's loop and wait for its result. A wait that ends early
+        (KeyboardInterrupt, the timeout) cancels the coroutine and waits until it has ended,
+        so that its request is aborted, not left decoding, before the exception goes on (and
+        a stream's generator is free to be closed)."""
+        done = threading.Event()
+        box: list[asyncio.Task] = []
+
+        def start() -> None:
+            box.append(self._loop.create_task(coro))
+            box[0].add_done_callback(lambda _: done.set())
+
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RequestError(None, SHUT_DOWN, 503)
+            self._loop.call_soon_threadsafe(start)
+        try:
+            if not done.wait(timeout):
+                raise TimeoutError(f"plait.Engine: no answer within {timeout} s")
+        except BaseException:
+            try:  # callbacks run in order: start() has run when this one does
+                self._loop.call_soon_threadsafe(lambda: box[0].cancel())
+            except RuntimeError:  # the loop is closed: shut down meanwhile, nothing runs
+                pass
+            else:
+                done.wait(CANCEL_WAIT_S)
+            raise
+        if box[0].cancelled() and self._closed:
+            raise RequestError(None, SHUT_DOWN, 503)
+        return box[0].result()
 
     def _submit(self, coro) -> concurrent.futures.Future:
         with self._lock:

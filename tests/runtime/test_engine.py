@@ -209,10 +209,11 @@ def test_leaving_the_engine_while_requests_run_ends_them_and_later_calls(tiny_ll
     assert not any(alive(pid) for pid in pids)
 
 
-@pytest.mark.parametrize("ending", ["exit", "kill"])
+@pytest.mark.parametrize("ending", ["exit", "kill", "stream"])
 def test_children_never_outlive_the_script(tiny_llama, ending):
-    """A script that exits without Engine.shutdown() (atexit), or is killed (the children
-    watch their parent), leaves no scheduler or detokenizer behind."""
+    """A script that exits without Engine.shutdown() (atexit), also while it holds a stream
+    it did not finish, or is killed (the children watch their parent), leaves no scheduler or
+    detokenizer behind, and does not hang on its way out."""
     import os
     import signal
     import subprocess
@@ -224,13 +225,20 @@ def test_children_never_outlive_the_script(tiny_llama, ending):
         f"e = plait.Engine({str(tiny_llama)!r}, max_total_tokens=4096)\n"
         "print(json.dumps([p.pid for p in e._children.procs.values()]), flush=True)\n"
         + ("time.sleep(600)\n" if ending == "kill" else "")
+        + ("s = e.generate('x', {'max_new_tokens': 3000, 'ignore_eos': True}, stream=True)\n"
+           "next(s)\n" if ending == "stream" else "")
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    pids = json.loads(proc.stdout.readline())
-    assert len(pids) == 2
-    if ending == "kill":
-        proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) == 2
+        if ending == "kill":
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:  # it hung: a failure, and no process left behind
+            proc.kill()
+            proc.wait()
 
     def alive(pid: int) -> bool:
         try:
@@ -244,3 +252,55 @@ def test_children_never_outlive_the_script(tiny_llama, ending):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids)
+
+
+INTERRUPTED = """
+import json, signal, sys, threading, time
+import plait
+
+e = plait.Engine(sys.argv[1], max_total_tokens=4096)
+LONG = {"max_new_tokens": 3000, "ignore_eos": True}
+
+
+def interrupt_when_running(n):
+    def watch():
+        while e.get_server_info()["num_running"] < n:
+            time.sleep(0.05)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def stream():
+    for _ in e.generate("z", LONG, stream=True):
+        pass
+
+
+report = {}
+for name, call, n in [("one", lambda: e.generate("x", LONG), 1),
+                      ("batch", lambda: e.generate(["x", "y"], LONG), 2),
+                      ("stream", stream, 1)]:
+    interrupt_when_running(n)
+    try:
+        call()
+        report[name] = "finished"
+    except KeyboardInterrupt:
+        report[name] = e.get_server_info()["num_running"]
+after = e.generate("still serving", {"max_new_tokens": 4})
+report["after"] = after["meta_info"]["completion_tokens"]
+report["aborted"] = e.get_server_info()["aborted_requests"]
+e.shutdown()
+print(json.dumps(report))
+"""
+
+
+def test_ctrl_c_aborts_the_interrupted_requests(tiny_llama):
+    """KeyboardInterrupt in generate (one prompt, a batch, a stream) aborts what it was
+    waiting for, at once: nothing keeps decoding in the background, and the engine serves on."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", INTERRUPTED, str(tiny_llama)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report == {"one": 0, "batch": 0, "stream": 0, "after": 4, "aborted": 4}, run.stderr
