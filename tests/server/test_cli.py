@@ -316,3 +316,27 @@ def test_no_merge_conflict_left_in_the_package():
         lines = path.read_text().splitlines()
         assert not any(line.startswith(("<<<<<<< ", ">>>>>>> ")) for line in lines), path
     assert "plait generate --prompt TEXT [--raw]" in plait.cli.__doc__
+
+
+def test_generate_help_documents_what_generate_uses():
+    """`plait generate --help` lists the Engine's options, not the HTTP server's (a port, API
+    keys, replicas: generate starts no server), and the defaults generate really has."""
+    out = subprocess.run(
+        [*PLAIT, "generate", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for flag in ("--prompt", "--raw", "--stream", "--json", "--model", "--max-total-tokens",
+                 "--chunked-prefill-size", "--request-timeout", "--log-level"):
+        assert flag in out, flag
+    for flag in ("--host", "--port", "--api-key", "--api-key-file", "--served-model-name",
+                 "--max-queued-requests", "--queue-reserve-fraction", "--shutdown-grace",
+                 "--max-request-bytes", "--tool-call-parser", "--dp", "--router"):
+        assert f"{flag} " not in out and f"{flag}\n" not in out, flag
+    flat = " ".join(out.split())
+    assert "logging level (default: warning)" in flat
+    run = subprocess.run(
+        [*PLAIT, "generate", "--prompt", "x", "--port", "1"], capture_output=True, text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "unrecognized arguments: --port" in run.stderr
+    assert "Traceback" not in run.stderr
+
