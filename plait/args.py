@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +95,7 @@ class ServerArgs:
         "and its output stay float32 (K and V are rounded to bf16 as they are stored: outputs "
         "can differ from float32 KV's in later tokens)", KV_CACHE_DTYPES,
     )
-    device: str = _opt("auto", "cpu, cuda, or auto")
+    device: str = _opt("auto", "cpu, cuda (or cuda:N), or auto")
     context_length: int | None = _opt(None, "maximum context length (default: from the model config)")
     max_running_requests: int = _opt(64, "maximum requests decoded together")
     max_queued_requests: int = _opt(
@@ -354,6 +355,8 @@ class ServerArgs:
             raise ValueError(
                 f"cuda_graph_max_bs: must be a positive integer, got {self.cuda_graph_max_bs!r}"
             )
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):
+            raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not isinstance(self.port, int) or not 1 <= self.port <= 65535:
             raise ValueError(f"port: must be in 1..65535, got {self.port!r}")
         if self.context_length is not None and (

@@ -70,6 +70,8 @@ def test_bad_flag_values_fail_fast():
         ("--port", "-1", "port"),
         ("--context-length", "0", "context_length"),
         ("--context-length", "-4", "context_length"),
+        ("--device", "gpu", "device"),  # was a torch traceback from the scheduler's start-up
+        ("--device", "cuda:x", "device"),
     ],
 )
 def test_out_of_range_values_are_named_before_anything_starts(flag, value, field):
