@@ -93,7 +93,7 @@ class Engine:
                    top_logprobs_num, stream) -> tuple[list[ReqInput], bool]:
         """The arguments as a GenerateInput, normalized as every entry point does (a
         RequestError, which is a ValueError, naming the field)."""
-        if prompt is not None and input_ids is not None:
+        if (prompt is None) == (input_ids is None):
             raise RequestError("prompt", "give exactly one of prompt or input_ids")
         inp = GenerateInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params,

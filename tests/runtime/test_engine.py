@@ -62,6 +62,14 @@ def test_a_request_over_the_kv_pool_names_its_field(tiny_llama):
         assert out["meta_info"]["completion_tokens"] == 300
 
 
+def test_no_prompt_is_named_in_the_engine_s_words(engine):
+    """generate() without a prompt named `text`, which is /generate's field, not an argument
+    of generate()."""
+    for kwargs in ({}, {"sampling_params": GREEDY}, {"prompt": "x", "input_ids": [1]}):
+        with pytest.raises(ValueError, match="^prompt: give exactly one of prompt or input_ids$"):
+            engine.generate(**kwargs)
+
+
 def test_unknown_server_argument():
     with pytest.raises(TypeError, match="no_such_flag"):
         plait.Engine(no_such_flag=True)
