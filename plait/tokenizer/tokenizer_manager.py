@@ -79,6 +79,9 @@ class TokenizerManager:
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
+        self._flush_outbox()  # the aborts of requests that ended just before
+        # nothing is sent on the closed sockets after (a stream dropped later still aborts)
+        self.dead = self.dead or "shut down"
         self.sender.close()
         self.receiver.close()
 
