@@ -52,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
-    gen.add_argument("--json", action="store_true", help="print the whole output as JSON")
+    gen.add_argument(
+        "--json", action="store_true",
+        help="print the whole output (text, output_ids, meta_info) as JSON once it is done "
+        "(with --stream too)",
+    )
     ServerArgs.add_cli_args(gen, serve=False, log_level="warning")
     return parser
 
