@@ -129,7 +129,7 @@ def test_fork_takes_a_positive_integer(engine_backend):
         ({"stop": 5}, "stop: must be a string or a list of strings"),
         ({"top_p": 0}, "top_p: must be in"),
         ({"n": 0}, "n: must be in"),
-        ({"max_tokens": 3, "min_tokens": 5}, "min_tokens: must be <= max_new_tokens"),
+        ({"max_tokens": 3, "min_tokens": 5}, "min_tokens: must not exceed the maximum"),
         ({"logit_bias": {"abc": 1}}, "logit_bias: keys must be token ids"),
         ({"regex": "[0-9]", "json_schema": {"type": "integer"}}, "json_schema: only one"),
         ({"dtype": int, "json_object": True}, "json_object: only one constraint"),

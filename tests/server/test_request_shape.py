@@ -163,7 +163,8 @@ async def test_long_prompt_is_tokenized_off_the_event_loop(tiny_llama):
 
     blocking = BlockingTokenizer(AutoTokenizer.from_pretrained(tiny_llama))
     tm = TokenizerManager(
-        ServerArgs(), blocking, {"context_length": 4096, "vocab_size": 8256}, None, {}
+        ServerArgs(), blocking,
+        {"context_length": 4096, "vocab_size": 8256, "max_total_tokens": 65536}, None, {}
     )
     text = "hello " * INLINE_TOKENIZE_CHARS
     req = ReqInput(text=text, input_ids=None, sampling_params=SamplingParams())
