@@ -289,8 +289,11 @@ class _Normalizer:
             excluded = set(_type_list(value))
             excluded |= {"integer"} if "number" in excluded else set()
             # (a number that is not an integer is dropped whole: a subset)
-            kept = [t for t in self.type_options(rest)
-                    if t not in excluded and not (t == "number" and "integer" in excluded)]
+            options = [t for t in self.type_options(rest) if t not in excluded]
+            kept = [t for t in options if not (t == "number" and "integer" in excluded)]
+            if options and not kept:
+                raise _error(f"keyword 'not' at {path} is not supported here: it leaves only "
+                             "numbers that are not integers, which plait cannot write alone")
             if not kept:
                 raise _unsatisfiable(path, "not excludes every type the schema allows")
             return self.node({**rest, "type": kept}, path)

@@ -124,6 +124,7 @@ PROBES: dict[str, dict] = {
                              "not": {"pattern": "^[a-c ]+$"}},
     "not unanchored pattern": {"type": "string", "not": {"pattern": "[0-9]"}},
     "not of two keywords": {"not": {"type": "string", "maxLength": 3}},
+    "not integer beside number": {"type": "number", "not": {"type": "integer"}},
     "not of true": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"not": {}}}},
     "patternProperties over a declared name": {
         "type": "object", "properties": {"ab": {"type": "integer", "maximum": 3}},
@@ -160,6 +161,7 @@ REFUSED = {
     "oneOf overlapping": BOTH,
     "not unanchored pattern": BOTH,
     "not of two keywords": BOTH,
+    "not integer beside number": BOTH,
     "remote $ref": BOTH,
     "additionalProperties schema": OUTLINES,
     "patternProperties": OUTLINES,
