@@ -301,7 +301,7 @@ class _Normalizer:
             if "type" in rest and "object" not in _type_list(rest["type"]):
                 raise _unsatisfiable(path, "not: {required} leaves only objects")
             core = self.node({**rest, "type": "object"}, path)
-            options = [o for b in (core["anyOf"] if "anyOf" in core else [core])
+            options = [o for b in core.get("anyOf", [core])
                        for o in self.without_one_of(b, value, where)]
             if not options:
                 raise _unsatisfiable(path, "every object it allows has the names not excludes")

@@ -194,10 +194,10 @@ class OutlinesBackend(GrammarBackend):
                     "json_object nests objects/arrays two levels (a subset)",
                     "oneOf only when its branches cannot overlap; allOf when they merge exactly",
                     "pattern is matched against the whole string",
-                    "not only of one type list, one required list (closed objects) or one "
-                    "pattern anchored at both ends that repeats one character class",
-                    "dependencies / dependentRequired / dependentSchemas on closed objects, at "
-                    "most 4 optional keys bringing them",
+                    ("not only of one type list, one required list (closed objects) or one "
+                     "pattern anchored at both ends that repeats one character class"),
+                    ("dependencies / dependentRequired / dependentSchemas on closed objects, "
+                     "at most 4 optional keys bringing them"),
                 ],
             },
             "regex": {

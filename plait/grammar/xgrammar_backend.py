@@ -176,10 +176,10 @@ _SCHEMA_NOTES = [
     "(\\n, \\u00XX) counts its 2 or 6 characters, so strings with escapes may end shorter "
     "than maxLength allows (never longer)",
     "multipleOf on whole numbers only; uniqueItems only when maxItems <= 1",
-    "not only of one type list, one required list (closed objects) or one pattern anchored at "
-    "both ends that repeats one character class",
-    "dependencies / dependentRequired / dependentSchemas on closed objects, at most 4 optional "
-    "keys bringing them",
+    ("not only of one type list, one required list (closed objects) or one pattern anchored "
+     "at both ends that repeats one character class"),
+    ("dependencies / dependentRequired / dependentSchemas on closed objects, at most 4 "
+     "optional keys bringing them"),
 ]
 _REGEX_NOTES = {
     "dialect": "Python re (what re.fullmatch accepts), matched against the whole output",

@@ -95,7 +95,7 @@ def trace_prefix(fn: Function, backend: Backend, kwargs: dict[str, Any]) -> str:
     its real run; arguments that cannot be copied are not traced (no shared prefix)."""
     try:
         kwargs = copy.deepcopy(kwargs)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any argument deepcopy refuses: trace nothing
         return ""
     state = TracerState(backend)
     try:
