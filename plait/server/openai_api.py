@@ -561,8 +561,8 @@ async def completions(request: Request) -> Response:
         raise RequestError("suffix", "not supported by plait")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
-    if req.echo and req.stream:
-        raise RequestError("echo", "not supported with stream")
+    if req.echo and req.stream and req.logprobs is not None:
+        raise RequestError("echo", "not supported with stream and logprobs together")
     prompts = _completion_prompts(req.prompt)
     sp = sampling_params(req, req.max_tokens, {})
     # echo + logprobs scores the prompt too (lm-evaluation-harness's loglikelihood)
@@ -577,7 +577,8 @@ async def completions(request: Request) -> Response:
             request,
             inputs,
             head,
-            _completion_chunks(req, texts),
+            _completion_chunks(req, texts, [_prompt_text(tm.tokenizer, p) for p in prompts]
+                               if req.echo else None),
             usage_n=req.n if _include_usage(req) else None,
             continuous_usage=_continuous_usage(req),
         )
@@ -773,16 +774,25 @@ async def _deltas(
         sent_text[i], sent_tokens[i] = len(state.text), end
 
 
-def _completion_chunks(req: CompletionRequest, texts: TokenTexts) -> Callable[[Delta], list[dict]]:
+def _completion_chunks(req: CompletionRequest, texts: TokenTexts,
+                       echoes: list[str] | None = None) -> Callable[[Delta], list[dict]]:
+    """Text deltas; with `echo` (echoes: each prompt's text), a choice's first chunk starts with
+    its prompt, as vLLM streams it."""
+    echoed: set[int] = set()
+
     def render(d: Delta) -> list[dict]:
         if not (d.text or d.finish_reason or d.tokens[1] > d.tokens[0]):
             return []
         logprobs = None
         if req.logprobs is not None:
             logprobs = completion_logprobs(d.state, *d.tokens, texts, d.text_offset)
+        text = d.text
+        if echoes is not None and d.index not in echoed:
+            echoed.add(d.index)
+            text = echoes[d.index // req.n] + text
         choice = {
             "index": d.index,
-            "text": d.text,
+            "text": text,
             "logprobs": logprobs,
             "finish_reason": d.finish_reason,
         }

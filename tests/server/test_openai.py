@@ -299,6 +299,22 @@ def test_token_id_prompt_and_echo(client):
     assert echoed.choices[0].text == "Echo me" + plain.choices[0].text
 
 
+def test_streamed_echo_starts_each_choice_with_its_prompt(client, http):
+    """echo with stream (vLLM streams it): each choice's text, its chunks joined, is what the
+    same request returns whole; echo + stream + logprobs is a 400 naming echo."""
+    base = dict(model=MODEL_NAME, prompt=["Echo me", "And me"], max_tokens=3, temperature=0,
+                n=2, echo=True)
+    whole = client.completions.create(**base)
+    joined = ["", "", "", ""]
+    for chunk in client.completions.create(**base, stream=True):
+        for c in chunk.choices:
+            joined[c.index] += c.text
+    assert joined == [c.text for c in whole.choices]
+    assert joined[2].startswith("And me")
+    r = http.post("/v1/completions", json={**base, "stream": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
 @pytest.mark.parametrize("max_tokens", [0, 3])
 def test_echo_with_logprobs_scores_the_prompt(client, http, max_tokens):
     """echo + logprobs returns the prompt tokens' logprobs before the completion's, the first
