@@ -22,6 +22,7 @@ Children get their configuration on stdin, never in argv (`ps` shows argv to eve
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -127,6 +128,10 @@ class ChildProcesses:
                 proc.join(timeout=5)
         if self.owns_ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        else:  # the user's directory stays; the sockets this server bound there go
+            for addr in dataclasses.astuple(self.addrs):
+                with contextlib.suppress(OSError):
+                    os.unlink(addr.removeprefix("ipc://"))
 
 
 class ChildProcess:
@@ -214,6 +219,11 @@ class ChildProcess:
 def launch_children(args: ServerArgs) -> ChildProcesses:
     """Start detokenizer and scheduler; returns once both are ready (or raises)."""
     model_path = resolve_model_path(args.resolved_model_path)
+    if args.ipc_dir:
+        try:
+            os.makedirs(args.ipc_dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"ipc_dir: cannot use {args.ipc_dir!r} as a directory ({e})") from None
     ipc_dir = args.ipc_dir or tempfile.mkdtemp(prefix="plait-ipc-")
     rt = ChildProcesses(args, model_path, IpcAddrs.in_dir(ipc_dir), ipc_dir,
                           owns_ipc_dir=args.ipc_dir is None)

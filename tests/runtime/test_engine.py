@@ -62,6 +62,19 @@ def test_a_request_over_the_kv_pool_names_its_field(tiny_llama):
         assert out["meta_info"]["completion_tokens"] == 300
 
 
+def test_an_ipc_dir_is_made_if_missing_and_left_without_its_sockets(tiny_llama, tmp_path):
+    """--ipc-dir names a directory that may not exist yet (it was a start-up failure); the
+    user's directory stays after shutdown, without the sockets the server bound in it."""
+    where = tmp_path / "new" / "ipc"
+    with plait.Engine(tiny_llama, ipc_dir=str(where)) as eng:
+        assert eng.generate("hi", {**GREEDY, "max_new_tokens": 2})["meta_info"]["completion_tokens"]
+        assert {"scheduler", "detokenizer", "tokenizer"} <= {p.name for p in where.iterdir()}
+    assert where.is_dir() and not any(where.iterdir())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="ipc_dir"):
+        plait.Engine(tiny_llama, ipc_dir=str(tmp_path / "file" / "sub"))
+
+
 def test_no_prompt_is_named_in_the_engine_s_words(engine):
     """generate() without a prompt named `text`, which is /generate's field, not an argument
     of generate()."""
