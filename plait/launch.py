@@ -91,7 +91,11 @@ class ChildProcesses:
                 if dead and not self._stopping:
                     name, proc = dead[0]
                     self.failure = f"the {name} process died (exit code {proc.exitcode})"
-                    logger.error("%s; stopping the server", self.failure)
+                    # killed by SIGTERM/SIGINT: someone is stopping this process group (systemd,
+                    # `timeout`, Ctrl-C in a shell), not a crash
+                    stopped = proc.exitcode in (-signal.SIGTERM, -signal.SIGINT)
+                    logger.log(logging.WARNING if stopped else logging.ERROR,
+                               "%s; stopping the server", self.failure)
                     on_death(self.failure)
                     if hard_exit_s is not None:
                         time.sleep(hard_exit_s)
