@@ -259,6 +259,13 @@ def test_tools_and_calls_reach_the_chat_template(server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}],
       "tool_choice": "required"}, "tools"),
+    # an invalid schema is refused under "required" too, where it sits below the list's root
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": []}}}], "tool_choice": "required"},
+     "tools.1.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": "a"}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
      "messages.0.tool_calls.0.function"),
     ({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]},
