@@ -139,6 +139,16 @@ def prepare_schema(spec: str, policy: SchemaPolicy) -> dict:
         raise GrammarError("json_schema: schema nested too deeply", "json_schema") from None
 
 
+def check_schema(schema: Any) -> None:
+    """GrammarError unless `schema` is valid under a draft it may be written in, as a
+    constraint's root is checked (a schema placed below another's root, as tool_calls.py's
+    list of calls places each tool's, escapes its root's check)."""
+    try:
+        _Normalizer._validator(schema)
+    except RecursionError:
+        raise GrammarError("json_schema: schema nested too deeply", "json_schema") from None
+
+
 def _at(path: str, key: str | int) -> str:
     if isinstance(key, int):
         return f"{path}[{key}]"

@@ -122,6 +122,12 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls earlier in the conversation
+    # OpenAI's other assistant fields, which an answer fed back (the SDK's model_dump()) carries
+    # null or empty: accepted so, refused by name otherwise (check_messages)
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -292,6 +298,10 @@ def check_messages(messages: list[ChatMessage], limit: int) -> None:
     for i, m in enumerate(messages):
         if m.tool_calls is not None and m.role != "assistant":
             raise RequestError(f"messages.{i}.tool_calls", "only assistant messages hold calls")
+        for field in ("refusal", "annotations", "audio", "function_call"):
+            if getattr(m, field):
+                raise RequestError(f"messages.{i}.{field}", "not supported by plait (only null "
+                                   "or empty, as in an answer fed back)")
     check_prompt_size("messages", sum(
         (len(m.content or "") if isinstance(m.content, str) else
          sum(len(p.text) for p in m.content or []))

@@ -32,6 +32,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 from plait.errors import RequestError
+from plait.grammar.base import GrammarError
+from plait.grammar.json_schema import check_schema
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -641,7 +643,12 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_call
     defs: dict[str, Any] = {}
     options = []
     for i, t in enumerate(tools):
-        defs.update(_hoisted(_parameters(t), f"tool{i}", f"tools.{i}.function.parameters"))
+        field = f"tools.{i}.function.parameters"
+        try:
+            check_schema(_parameters(t))
+        except GrammarError as e:
+            raise RequestError(field, str(e).removeprefix("json_schema: ")) from None
+        defs.update(_hoisted(_parameters(t), f"tool{i}", field))
         options.append({
             "type": "object",
             "properties": {"name": {"type": "string", "enum": [t.function.name]},

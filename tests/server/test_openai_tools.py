@@ -205,6 +205,22 @@ def test_a_conversation_with_earlier_calls_is_served(client):
     assert r.choices[0].message.content is not None
 
 
+def test_an_answer_fed_back_as_the_sdk_dumps_it_is_served(client):
+    """An agent loop that appends `message.model_dump()` (or an OpenAI answer's message) sends
+    OpenAI's other assistant fields too, null or empty: refusal, annotations, audio,
+    function_call."""
+    kwargs = {"model": MODEL_NAME, "tools": [WEATHER], "max_tokens": 60, "temperature": 0}
+    first = client.chat.completions.create(messages=MESSAGES, tool_choice="required", **kwargs)
+    message = first.choices[0].message
+    assert message.tool_calls
+    dumped = message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= dumped.keys()
+    messages = [*MESSAGES, dumped, *[{"role": "tool", "tool_call_id": c.id, "content": "21 C"}
+                                     for c in message.tool_calls]]
+    r = client.chat.completions.create(messages=messages, tool_choice="none", **kwargs)
+    assert r.choices[0].message.content is not None
+
+
 def test_tools_and_calls_reach_the_chat_template(server):
     """A template that renders tools and earlier calls sees them (transformers' `tools`, and
     a call's arguments as an object)."""
@@ -243,8 +259,20 @@ def test_tools_and_calls_reach_the_chat_template(server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}],
       "tool_choice": "required"}, "tools"),
+    # an invalid schema is refused under "required" too, where it sits below the list's root
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": []}}}], "tool_choice": "required"},
+     "tools.1.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": "a"}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
      "messages.0.tool_calls.0.function"),
+    ({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]},
+     "messages.0.audio"),
+    ({"messages": [{"role": "assistant", "content": "x", "function_call": {
+        "name": "f", "arguments": "{}"}}]}, "messages.0.function_call"),
+    ({"messages": [{"role": "user", "content": "x", "refusal": "no"}]}, "messages.0.refusal"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{
         "id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages.0.tool_calls"),
