@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -590,6 +591,21 @@ class CallStreamer:
         return out
 
 
+def _check_parameters(tool: Tool, field: str) -> None:
+    """A tool's parameters must be a valid schema whatever tool_choice is (OpenAI checks them
+    all; under "none", or "auto" without compiling them, nothing else would)."""
+    try:
+        _checked_schema(json.dumps(_parameters(tool), sort_keys=True))
+    except GrammarError as e:
+        raise RequestError(field, str(e).removeprefix("json_schema: ")) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_schema(text: str) -> None:
+    """check_schema once per schema text (agent loops send the same tools every turn)."""
+    check_schema(json.loads(text))
+
+
 def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_calls: bool | None,
          other_constraint: str | None, parser: str = "none",
          structural_tags: bool = False) -> ToolPlan | None:
@@ -614,6 +630,7 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_call
         if name in names:
             raise RequestError(f"tools.{i}.function.name", f"{name!r} is also tools.{names[name]}")
         names[name] = i
+        _check_parameters(t, f"tools.{i}.function.parameters")
     if choice is None or choice == "auto":
         if parser in PARSERS:  # the model's own answer, read for calls
             one_call = parallel_tool_calls is False
@@ -643,12 +660,7 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_call
     defs: dict[str, Any] = {}
     options = []
     for i, t in enumerate(tools):
-        field = f"tools.{i}.function.parameters"
-        try:
-            check_schema(_parameters(t))
-        except GrammarError as e:
-            raise RequestError(field, str(e).removeprefix("json_schema: ")) from None
-        defs.update(_hoisted(_parameters(t), f"tool{i}", field))
+        defs.update(_hoisted(_parameters(t), f"tool{i}", f"tools.{i}.function.parameters"))
         options.append({
             "type": "object",
             "properties": {"name": {"type": "string", "enum": [t.function.name]},

@@ -266,6 +266,12 @@ def test_tools_and_calls_reach_the_chat_template(server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string"}}, "required": "a"}}}],
       "tool_choice": "required"}, "tools.0.function.parameters"),
+    # checked whatever tool_choice is: "none" and a named call too (OpenAI checks every tool)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "objekt"}}}], "tool_choice": "none"}, "tools.0.function.parameters"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": "a"}}}], "tool_choice": named("get_weather")},
+     "tools.1.function.parameters"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
      "messages.0.tool_calls.0.function"),
     ({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]},
