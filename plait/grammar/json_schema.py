@@ -804,7 +804,8 @@ class _Normalizer:
                 always += extra
             elif closed and key not in declared:
                 continue  # the key never appears
-            elif all(_requires(d) <= required for d in extra):
+            elif all(isinstance(d, dict) and set(d) == {"required"}
+                     and set(d["required"]) <= required for d in extra):
                 continue  # whatever the key brings is required anyway
             elif not closed:
                 raise _error(f"keyword 'dependencies' at {path} is not supported on an object "
@@ -990,14 +991,6 @@ def _closed_object(core: Any) -> bool:
         and core.get("additionalProperties") is False
         and "patternProperties" not in core
     )
-
-
-def _requires(schema: Any) -> set[str]:
-    """The names a dependency requires when that is all it asserts (else a name no object
-    has, so that it never counts as already satisfied)."""
-    if isinstance(schema, dict) and set(schema) == {"required"}:
-        return set(schema["required"])
-    return {"\0not only required"}
 
 
 def _valid_bool(schema: bool) -> bool:
