@@ -2,7 +2,7 @@
 
     python -m benchmarks.grammar [--model DIR] [--backends xgrammar,outlines] [--dev-tokens 48]
         [--repeats 3] [--only-extraction | --only-long | --only-dev-costs] [--skip-dev]
-        [--dev-cost-tokens 32] [--only-budgets 16,32,64]
+        [--dev-cost-tokens 32] [--only-budgets 16,32,64] [--only-dev-compile]
 
 1. extraction: 32 JSON-schema requests (a schema with fixed keys: name, age, tags) vs the same
    32 prompts unconstrained (ignore_eos, as many tokens as the constrained run produced on
@@ -32,6 +32,9 @@
 7. `--only-budgets 16,32,64` alone: the dev schemas greedy at each max_new_tokens: how many
    end whole (and valid) and which run out (`length`, incomplete), written to
    grammar-budgets[-MODEL].json: the budget closing's reach on real schemas.
+
+8. `--only-dev-compile` alone: every dev schema compiled cold, one at a time (as 3.), written
+   to grammar-compile[-MODEL].json with the total and the slowest ten printed.
 
 Writes benchmarks/results/grammar.json and grammar.md.
 """
@@ -511,6 +514,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only-budgets", default="",
                     help="only the dev schemas at these max_new_tokens (e.g. 16,32,64): how "
                          "many end whole; written to grammar-budgets[-MODEL].json")
+    ap.add_argument("--only-dev-compile", action="store_true",
+                    help="only every dev schema's cold compile time; written to "
+                         "grammar-compile[-MODEL].json")
     args = ap.parse_args(argv)
     ngram = None if args.dev_cost_ngram == "default" else int(args.dev_cost_ngram)
     model = resolve_model_path(args.model)  # a directory, a GGUF, or a name (plait-tiny, smollm2)
@@ -521,6 +527,12 @@ def main(argv=None) -> int:
     res = {"model_name": args.model, "when": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
            "git": _git_rev(), "backends": {}}
     for backend in args.backends.split(","):
+        if args.only_dev_compile:
+            print(f"[{backend}] dev schemas: cold compile times", flush=True)
+            res["backends"][backend] = {"compile": compile_times(
+                model, backend, {f.relative_to(DEV).as_posix(): f.read_text()
+                                 for f in sorted(DEV.glob("*/*.json"))})}
+            continue
         if args.only_budgets:
             print(f"[{backend}] dev schemas within budgets", flush=True)
             res["backends"][backend] = {"budgets": dev_budgets(
@@ -559,6 +571,18 @@ def main(argv=None) -> int:
         RESULTS.mkdir(exist_ok=True)
         out = RESULTS / f"{stem.replace('grammar', 'grammar-budgets', 1)}.json"
         out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {out}")
+        return 0
+    if args.only_dev_compile:
+        RESULTS.mkdir(exist_ok=True)
+        out = RESULTS / f"{stem.replace('grammar', 'grammar-compile', 1)}.json"
+        out.write_text(json.dumps(res, indent=1))
+        for backend, r in res["backends"].items():
+            cold = {n: c["cold_ms"] for n, c in r["compile"].items() if "cold_ms" in c}
+            print(f"{backend}: {len(cold)} compiled in {sum(cold.values()) / 1e3:.1f} s, "
+                  f"{len(r['compile']) - len(cold)} refused; slowest:")
+            for n in sorted(cold, key=cold.get, reverse=True)[:10]:
+                print(f"  {cold[n] / 1e3:6.2f} s  {n}")
         print(f"wrote {out}")
         return 0
     if args.only_dev_costs:  # its own file: the per-schema figures

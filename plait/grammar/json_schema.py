@@ -76,8 +76,9 @@ ANNOTATION_KEYWORDS = (
 # plait's schema-to-grammar translation (this module, regex_syntax.py, xgrammar_patterns.py):
 # a new number when it changes, so that --grammar-cache-dir never serves grammars of the
 # earlier forms (2: whole strings as shared ladders of rules; 3: dependencies, not,
-# patternProperties over declared names, class escapes printed for xgrammar's class parser)
-TRANSLATION = 3
+# patternProperties over declared names, class escapes printed for xgrammar's class parser;
+# 4: rules that match the same texts merged)
+TRANSLATION = 4
 DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
 # keywords every backend enforces once plait has rewritten the schema (some conditionally:
 # oneOf if disjoint, allOf if mergeable, uniqueItems if trivially true, formats in formats.py,

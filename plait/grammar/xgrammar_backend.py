@@ -31,7 +31,11 @@ from plait.grammar.json_schema import (
 from plait.grammar.kinds import choices_of, json_object_schema
 from plait.grammar.regex_syntax import choices_regex, normalize_regex
 from plait.grammar.vocab import special_token_ids
-from plait.grammar.xgrammar_patterns import extract_patterns, splice_patterns
+from plait.grammar.xgrammar_patterns import (
+    extract_patterns,
+    merge_equal_rules,
+    splice_patterns,
+)
 
 POLICY = SchemaPolicy(
     backend="xgrammar",
@@ -81,22 +85,15 @@ class XGrammarBackend(GrammarBackend):
         }
 
     def _schema(self, core: dict, param: str) -> xgr.CompiledGrammar:
-        options = self._schema_options()
-        core, patterns = extract_patterns(core)
-        if not patterns:
-            return self._call(
-                lambda text: self._compiler.compile_json_schema(text, **options),
-                json.dumps(core),
-                param,
-            )
-        return self._call(self._compiler.compile_grammar, self._schema_ebnf(core, patterns,
-                                                                            param), param)
+        return self._call(self._compiler.compile_grammar, self._schema_ebnf(core, param), param)
 
-    def _schema_ebnf(self, core: dict, patterns, param: str) -> str:
-        """The EBNF of a prepared schema whose patterns extract_patterns took out."""
+    def _schema_ebnf(self, core: dict, param: str) -> str:
+        """The EBNF of a prepared schema: xgrammar's grammar of it, with plait's grammar of each
+        pattern spliced in and rules that match the same texts merged (xgrammar_patterns.py)."""
+        core, patterns = extract_patterns(core)
         grammar = self._call(lambda text: xgr.Grammar.from_json_schema(
             text, **self._schema_options()), json.dumps(core), param)
-        return splice_patterns(str(grammar), patterns)
+        return merge_equal_rules(splice_patterns(str(grammar), patterns))
 
     def _structural_tag(self, spec: str) -> xgr.CompiledGrammar:
         """xgrammar's structural tag, its JSON-schema parts held to plait's schema rules: each
@@ -121,8 +118,7 @@ class XGrammarBackend(GrammarBackend):
                 schema = node["json_schema"]
                 core = prepare_schema(json.dumps(schema) if not isinstance(schema, str)
                                       else schema, POLICY)
-                return {"type": "grammar", "grammar": self._schema_ebnf(*extract_patterns(core),
-                                                                       param)}
+                return {"type": "grammar", "grammar": self._schema_ebnf(core, param)}
             return {k: rewrite(v) for k, v in node.items()}
 
         return self._call(self._compiler.compile_structural_tag, json.dumps(rewrite(tag)), param)
