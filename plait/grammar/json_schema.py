@@ -16,7 +16,9 @@ Every other assertion keyword is either rewritten exactly into those (allOf -> m
 oneOf -> anyOf when its branches provably cannot overlap, enum/const filtered by the sibling
 keywords with jsonschema itself, type lists -> anyOf, draft-4 forms, `items` arrays,
 dependencies / dependentRequired / dependentSchemas -> anyOf over the conditional keys' presence,
-`not` of an always-true schema -> false) or refused
+if/then/else -> anyOf of (if and then) and (not if and else), `not` of an always-true schema ->
+false, of a type, a required list, a bound, a constant or enum, an object's properties check
+-> the values that fail it) or refused
 with a GrammarError naming the keyword and its JSON path. Outputs may be a *subset* of what the
 schema allows (objects and arrays carry only declared members, patterns match whole strings,
 one spelling per escape), never a superset. Annotations and unknown keywords have no validation
@@ -80,6 +82,7 @@ ANNOTATION_KEYWORDS = (
 # 4: rules that match the same texts merged)
 TRANSLATION = 4
 DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
+CONDITIONAL_KEYWORDS = ("if", "then", "else")
 # keywords every backend enforces once plait has rewritten the schema (some conditionally:
 # oneOf if disjoint, allOf if mergeable, uniqueItems if trivially true, formats in formats.py,
 # not of one type / required list / pattern, dependencies of at most 4 optional keys)
@@ -89,6 +92,7 @@ CORE_KEYWORDS = frozenset(
         "additionalProperties", "items", "prefixItems", "additionalItems", "minItems",
         "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "format",
         "unevaluatedProperties", "unevaluatedItems", "not", *DEPENDENCY_KEYWORDS,
+        *CONDITIONAL_KEYWORDS,
     }
 )
 _FAMILY_TYPE = (
@@ -108,6 +112,9 @@ _SMALL_RANGE = 128
 # an object's dependencies become one anyOf branch per combination of its conditional keys
 # (each absent, or present with what it brings): at most this many keys, 2**4 = 16 branches
 _MAX_CONDITIONAL_KEYS = 4
+# two anyOf lists merged (allOf, if/then/else beside an anyOf) become the anyOf of every pair:
+# at most this many
+_MAX_ANY_OF_PRODUCT = 16
 
 
 @dataclass(frozen=True)
@@ -203,6 +210,49 @@ def _without(schema: dict, *keys: str) -> dict:
     return {k: v for k, v in schema.items() if k not in keys}
 
 
+# a number fails one bound exactly when it passes the other side's opposite bound
+_NEGATED_BOUND = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum",
+                  "exclusiveMinimum": "maximum", "exclusiveMaximum": "minimum"}
+_ANY_CHAR = r"[\x00-\U0010ffff]"
+
+
+def _pattern_but(words: list[str]) -> str:
+    """A regex (Python's, anchored at both ends) of every string except `words`, spelled from
+    their trie: a prefix of a word that is not itself a word, or a prefix of a word followed by
+    a character that leads off every word, then anything."""
+    trie: dict = {}
+    for word in words:
+        level = trie
+        for ch in word:
+            level = level.setdefault(ch, {})
+        level[None] = {}
+
+    def rest(level: dict) -> str:
+        options = [] if None in level else [""]
+        kids = sorted(c for c in level if c is not None)
+        if kids:
+            options.append("[^" + "".join(re.escape(c) for c in kids) + "]" + _ANY_CHAR + "*")
+        else:
+            options.append(_ANY_CHAR + "+")
+        options += [re.escape(c) + "(?:" + rest(level[c]) + ")" for c in kids]
+        return "|".join(options)
+
+    return r"\A(?:" + rest(trie) + r")\Z"
+
+
+def _conditional(schema: dict) -> bool:
+    """`if` with a `then` or an `else` (an `if` alone asserts nothing)."""
+    return "if" in schema and ("then" in schema or "else" in schema)
+
+
+def _cases(schema: dict) -> dict:
+    """if/then/else as the anyOf it means: (if and then) or (not if and else)."""
+    cond, then, other = schema["if"], schema.get("then", True), schema.get("else", True)
+    if cond is True or cond is False:
+        return {"allOf": [then if cond else other]}
+    return {"anyOf": [{"allOf": [cond, then]}, {"allOf": [{"not": cond}, other]}]}
+
+
 def _all_of(a: Any, b: Any) -> Any:
     """Conjunction of two raw schemas, simplified where trivial."""
     if a is True or a == {} or a is None:
@@ -273,6 +323,8 @@ class _Normalizer:
                 s = _without(s, "not")
         if "enum" in s or "const" in s:
             return self.enum(schema, s, path)
+        if _conditional(s):
+            return self.node(self.merge_all([s], path), path)
         if "$ref" in s:
             if len(s) == 1:
                 return self.ref(s["$ref"], path)
@@ -290,11 +342,23 @@ class _Normalizer:
         """`not` of a schema that asserts one thing, exactly: {type} removes types; {required}
         (non-objects pass it, so only objects remain) drops one of the names from a closed
         object; {pattern} (only strings remain) is the pattern's complement where
-        regex_syntax can spell it. Anything else is refused."""
+        regex_syntax can spell it; a bound, the other side's opposite bound; a const or enum,
+        the values but those (values_but); an object's properties/required check, the objects
+        that fail it (objects_failing); {anyOf: [A, B]} (what merging `not: A` and `not: B`
+        gives) is `not: A` with `not: B` left in the rest. Anything else is refused."""
         negated, rest = s["not"], _without(s, "not")
         where = _at(path, "not")
         self.need("not", path)
         n = _assertions(negated) if isinstance(negated, dict) else {}
+        if n.keys() == {"anyOf"} and isinstance(n["anyOf"], list) and n["anyOf"]:
+            negated, *others = n["anyOf"]
+            if others:
+                rest = {**rest, "not": others[0] if len(others) == 1 else {"anyOf": others}}
+            if negated is False:
+                return self.node(rest, path)
+            if negated is True or (isinstance(negated, dict) and not _assertions(negated)):
+                raise _unsatisfiable(path, "not excludes everything")
+            n = _assertions(negated) if isinstance(negated, dict) else {}
         keyword, value = next(iter(n.items())) if len(n) == 1 else (None, None)
         if keyword == "type":
             excluded = set(_type_list(value))
@@ -318,15 +382,91 @@ class _Normalizer:
                 raise _unsatisfiable(path, "every object it allows has the names not excludes")
             return options[0] if len(options) == 1 else {"anyOf": options}
         if keyword == "pattern" and isinstance(value, str) and not (
-            {"pattern", "format"} & rest.keys()
+            {"pattern", "format", "not"} & rest.keys()
         ) and ("type" not in rest or "string" in _type_list(rest["type"])):
             self.needs(rest, STRING_KEYWORDS, path)
             regex = json_string_regex_not(value, _count(rest, "minLength", path) or 0,
                                           _count(rest, "maxLength", path), path)
             if regex is not None:
                 return {"type": "string", "pattern": regex}
+        if keyword in _NEGATED_BOUND and _is_number(value) and not isinstance(value, bool):
+            numeric = [t for t in self.type_options(rest) if t in ("integer", "number")]
+            if not numeric:
+                raise _unsatisfiable(path, f"not: {{{keyword}}} leaves only numbers")
+            return self.node({"allOf": [{**rest, "type": numeric},
+                                        {_NEGATED_BOUND[keyword]: value}]}, path)
+        if isinstance(negated, dict) and "properties" in n and isinstance(
+            n["properties"], dict
+        ) and n.keys() <= {"properties", "required", "type"} and n.get("type", "object") == "object":
+            return self.node({"anyOf": self.objects_failing(n, rest)}, path)
+        if keyword in ("const", "enum"):
+            if keyword == "enum" and not isinstance(value, list):
+                raise _error(f"enum at {where} must be a list")
+            return self.node({"anyOf": self.values_but(value if keyword == "enum" else [value],
+                                                       rest, path)}, path)
         raise _error(f"keyword 'not' at {path} is not supported here: {where} is not one "
-                     "type, required list or anchored pattern that plait can negate exactly")
+                     "type, required list, anchored pattern, constant, enum or object "
+                     "properties check that plait can negate exactly")
+
+    @staticmethod
+    def objects_failing(cond: dict, rest: dict) -> list:
+        """Raw schemas whose union is `rest` and not `cond`, cond being {properties, required,
+        type: object} (the form of an if/then/else discriminator): a non-object if cond asks
+        for objects, an object without one of the required names, or one with a declared name
+        whose value fails that name's schema."""
+        branches: list = []
+        if "type" in cond:
+            branches.append({"allOf": [rest, {"not": {"type": "object"}}]})
+        for name in cond.get("required", []):
+            branches.append({"allOf": [rest, {"type": "object", "not": {"required": [name]}}]})
+        for name, sub in cond["properties"].items():
+            if sub is True:
+                continue  # every value passes it
+            branches.append({"allOf": [rest, {"type": "object", "required": [name],
+                                              "properties": {name: {"not": sub}}}]})
+        return branches or [False]
+
+    def values_but(self, excluded: list, rest: dict, path: str) -> list:
+        """Raw schemas whose union is `rest` less the values `excluded`, one per JSON type rest
+        allows: the other boolean, null unless excluded, numbers in the ranges between the
+        excluded ones, strings spelled around the excluded ones (a trie complement); an
+        excluded object or array cannot be taken out (refused)."""
+        keys = {_canon(v) for v in excluded}
+        options = self.type_options(rest)
+        if "number" in options and "integer" in options:
+            options.remove("integer")
+        branches: list = []
+        for t in options:
+            mine = [v for v in excluded if _json_type(v) == t
+                    or (t == "number" and _json_type(v) == "integer")
+                    or (t == "integer" and _json_type(v) == "number" and float(v).is_integer())]
+            if not mine:
+                branches.append({**rest, "type": t})
+            elif t in ("boolean", "null"):
+                left = [v for v in ((True, False) if t == "boolean" else (None,))
+                        if _canon(v) not in keys]
+                if left:
+                    branches.append({**_without(rest, "type"), "enum": left})
+            elif t in ("integer", "number"):
+                points = sorted({float(v) for v in mine})
+                cuts = [None, *points, None]
+                for lo, hi in zip(cuts, cuts[1:]):
+                    extra: dict = {"type": t}
+                    if lo is not None:
+                        extra["exclusiveMinimum"] = int(lo) if t == "integer" else lo
+                    if hi is not None:
+                        extra["exclusiveMaximum"] = int(hi) if t == "integer" else hi
+                    branches.append({"allOf": [rest, extra]})
+            elif t == "string":
+                if {"pattern", "format", "minLength", "maxLength"} & rest.keys():
+                    raise _error(f"keyword 'not' at {path} is not supported here: it excludes "
+                                 "strings from a string with a pattern, format or length")
+                branches.append({**rest, "type": "string",
+                                 "pattern": _pattern_but([str(v) for v in mine])})
+            else:
+                raise _error(f"keyword 'not' at {path} is not supported here: it excludes "
+                             f"{'an object' if t == 'object' else 'an array'} value")
+        return branches or [False]
 
     def type_options(self, s: dict) -> list[str]:
         """The types a schema's outputs may have (as typed() reads them)."""
@@ -430,6 +570,9 @@ class _Normalizer:
         if len(stack) > _MAX_MERGE_DEPTH:
             raise _error(f"keyword 'allOf' at {path} is not supported here: it nests too deeply")
         out: Any = _without(schema, "$ref", "allOf")
+        if _conditional(out):
+            out = self.merge(_without(out, *CONDITIONAL_KEYWORDS),
+                             self.inline(_cases(out), path, stack), path)
         if "$ref" in schema:
             pointer = self.pointer_of(schema["$ref"], path)
             if pointer in stack:
@@ -474,6 +617,14 @@ class _Normalizer:
             return a * b // math.gcd(a, b)
         if key in ("properties", "additionalProperties", "patternProperties"):
             return a  # merge_objects decides
+        if key == "not":
+            return {"anyOf": [a, b]}  # neither a nor b: not (a or b)
+        if key == "anyOf" and isinstance(a, list) and isinstance(b, list):
+            if len(a) * len(b) > _MAX_ANY_OF_PRODUCT:
+                raise _error(f"keyword 'allOf' at {path} is not supported here: it joins anyOf "
+                             f"lists of {len(a)} and {len(b)} branches (at most "
+                             f"{_MAX_ANY_OF_PRODUCT} pairs)")
+            return [{"allOf": [x, y]} for x in a for y in b]  # (a1 or a2) and (b1 or b2) ...
         if key == "const":
             raise _unsatisfiable(path, "allOf branches require different constants")
         raise _error(f"keyword 'allOf' at {path} is not supported here: its branches have "

@@ -194,8 +194,12 @@ class OutlinesBackend(GrammarBackend):
                     "json_object nests objects/arrays two levels (a subset)",
                     "oneOf only when its branches cannot overlap; allOf when they merge exactly",
                     "pattern is matched against the whole string",
-                    ("not only of one type list, one required list (closed objects) or one "
-                     "pattern anchored at both ends that repeats one character class"),
+                    ("not only of one type list, one required list (closed objects), one "
+                     "pattern anchored at both ends that repeats one character class, a const "
+                     "or enum of strings, booleans or null, or an object's properties/required "
+                     "check (numeric bounds: none on outlines)"),
+                    ("if/then/else as anyOf of (if and then) and (not if and else), where plait "
+                     "spells `not` of the if"),
                     ("dependencies / dependentRequired / dependentSchemas on closed objects, "
                      "at most 4 optional keys bringing them"),
                 ],

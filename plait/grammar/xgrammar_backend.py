@@ -172,8 +172,12 @@ _SCHEMA_NOTES = [
     "(\\n, \\u00XX) counts its 2 or 6 characters, so strings with escapes may end shorter "
     "than maxLength allows (never longer)",
     "multipleOf on whole numbers only; uniqueItems only when maxItems <= 1",
-    ("not only of one type list, one required list (closed objects) or one pattern anchored "
-     "at both ends that repeats one character class"),
+    ("not only of one type list, one required list (closed objects), one pattern anchored "
+     "at both ends that repeats one character class, one numeric bound, a const or enum of "
+     "scalars (strings only where no pattern, format or length applies), or an object's "
+     "properties/required check"),
+    ("if/then/else as anyOf of (if and then) and (not if and else): the `if` must be a "
+     "schema whose `not` plait spells (above); at most 16 branches where anyOf lists meet"),
     ("dependencies / dependentRequired / dependentSchemas on closed objects, at most 4 "
      "optional keys bringing them"),
 ]

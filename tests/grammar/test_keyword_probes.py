@@ -133,6 +133,31 @@ PROBES: dict[str, dict] = {
         "type": "object", "properties": {"by": {"type": "string", "maxLength": 2}},
         "required": ["by"], "patternProperties": {".*": {"type": "string"}}},
     "if/then/else": {"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}},
+    "if/then/else bounds": {"type": "integer", "if": {"minimum": 10}, "then": {"maximum": 20},
+                            "else": {"minimum": 0}},
+    "if/then discriminator": {
+        "type": "object", "properties": {"type": {"enum": ["a", "multi", "b"]},
+                                         "queries": {"type": "array",
+                                                     "items": {"type": "integer"}}},
+        "required": ["type"], "if": {"properties": {"type": {"const": "multi"}}},
+        "then": {"required": ["queries"]}},
+    "if/then/else in allOf": {
+        "type": "object", "required": ["k"], "properties": {
+            "k": {"enum": ["a", "b", "c"]}, "x": {"type": "integer"}, "y": {"type": "string"}},
+        "allOf": [
+            {"if": {"properties": {"k": {"const": "a"}}}, "then": {"required": ["x"]}},
+            {"if": {"properties": {"k": {"const": "b"}}, "required": ["k"]},
+             "then": {"required": ["y"]}, "else": {"properties": {"y": False}}}]},
+    "if/then/else open string": {
+        "type": "object", "properties": {"mode": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["mode"], "if": {"properties": {"mode": {"const": "count"}}},
+        "then": {"required": ["n"]}, "else": {"properties": {"n": False}}},
+    "not const string": {"type": "string", "not": {"const": "multi"}},
+    "not enum of each type": {"type": ["string", "integer", "boolean", "null"],
+                              "not": {"enum": ["a", 3, True, None]}},
+    "not const object": {"type": "object", "not": {"const": {}}},
+    "not enum beside a pattern": {"type": "string", "pattern": "^[a-z]+$",
+                                  "not": {"enum": ["ab"]}},
     "prefixItems": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}]},
     "items list (draft 7)": {"$schema": "http://json-schema.org/draft-07/schema#",
                              "type": "array", "items": [{"type": "string"}],
@@ -174,7 +199,10 @@ REFUSED = {
     "patternProperties over a declared name": OUTLINES,
     "$ref to patternProperties with siblings": OUTLINES,
     "patternProperties of every name": OUTLINES,
-    "if/then/else": BOTH,
+    "if/then/else": BOTH,  # multipleOf beside a bound
+    "not enum of each type": OUTLINES,  # integers around 3: exclusive bounds
+    "not const object": BOTH,
+    "not enum beside a pattern": BOTH,
     "contains": BOTH,
     "property name quote": OUTLINES,
 }
@@ -225,7 +253,8 @@ def test_supported_features_lists(backends):
         features = type(backend).supported_features()
         keywords = features["json_schema"]
         assert "uniqueItems" in keywords["supported_keywords"]  # conditionally (maxItems <= 1)
-        assert "if" in keywords["refused_keywords"]
+        assert "if" in keywords["supported_keywords"]  # rewritten: see the notes
+        assert "contains" in keywords["refused_keywords"]
         assert "not" in keywords["supported_keywords"]  # conditionally: see the notes
         assert "title" in keywords["ignored_keywords"]
     assert "ebnf" in backends["xgrammar"].supported_features()["kinds"]
@@ -242,6 +271,23 @@ def test_supported_features_lists(backends):
                               '{"a": 2, "b": 1}': False,
                               '{"a": 1, "b": 1, "c": 1}': False, '{"b": 1}': False}),
     ("not of true", {'{"a": 1}': True, '{"a": 1, "b": 1}': False}),
+    ("if/then/else bounds", {"5": True, "15": True, "0": True, "20": True, "25": False,
+                             "-1": False}),
+    ("if/then discriminator", {'{"type": "multi", "queries": [1]}': True,
+                               '{"type": "multi"}': False, '{"type": "a"}': True,
+                               '{"type": "b", "queries": []}': True}),
+    ("if/then/else in allOf", {'{"k": "a", "x": 1}': True, '{"k": "a"}': False,
+                               '{"k": "b", "y": "s"}': True, '{"k": "b"}': False,
+                               '{"k": "c"}': True, '{"k": "c", "y": "s"}': False,
+                               '{"k": "a", "x": 1, "y": "s"}': False,
+                               '{"k": "b", "x": 1, "y": "s"}': True}),
+    ("if/then/else open string", {'{"mode": "count", "n": 2}': True, '{"mode": "count"}': False,
+                                  '{"mode": "counts"}': True, '{"mode": "coun", "n": 1}': False,
+                                  '{"mode": ""}': True, '{"mode": "x\\n"}': True}),
+    ("not const string", {'"mult"': True, '"multis"': True, '""': True, '"multi"': False,
+                          '"multi\\n"': True, '"mu\\u006cti"': False}),
+    ("not enum of each type", {'"b"': True, '""': True, '"a"': False, "4": True, "2": True,
+                               "3": False, "false": True, "true": False, "null": False}),
     ("not type", {"3": True, '"x"': False, "null": False}),
     ("oneOf open branches", {'{"kind": "a", "n": 1}': True, '{"kind": "b", "v": 1}': True,
                              '{"w": 1}': True, '{"kind": "a", "w": 1}': True,
