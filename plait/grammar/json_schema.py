@@ -1028,7 +1028,12 @@ class _Normalizer:
                 sub = self.merge_all([raw.get(name, True), *matching], where)
             else:
                 sub = raw.get(name, True if additional is None else additional)
-            core = self.node(sub, where)
+            names, defs = dict(self.def_names), dict(self.defs)
+            try:
+                core = self.node(sub, where)
+            except _Unsatisfiable:  # no value passes it: the property cannot be present
+                self.def_names, self.defs = names, defs
+                core = False
             if core is False:
                 if name in required:
                     raise _unsatisfiable(path, f"required property {name!r} cannot be present")
