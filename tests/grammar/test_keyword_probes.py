@@ -156,6 +156,7 @@ PROBES: dict[str, dict] = {
     "not enum of each type": {"type": ["string", "integer", "boolean", "null"],
                               "not": {"enum": ["a", 3, True, None]}},
     "not const object": {"type": "object", "not": {"const": {}}},
+    "not of numbers": {"type": "number", "not": {"enum": [3, -2, 0.5, "x"]}},
     "not enum beside a pattern": {"type": "string", "pattern": "^[a-z]+$",
                                   "not": {"enum": ["ab"]}},
     "prefixItems": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}]},
@@ -202,6 +203,7 @@ REFUSED = {
     "if/then/else": BOTH,  # multipleOf beside a bound
     "not enum of each type": OUTLINES,  # integers around 3: exclusive bounds
     "not const object": BOTH,
+    "not of numbers": OUTLINES,
     "not enum beside a pattern": BOTH,
     "contains": BOTH,
     "property name quote": OUTLINES,
@@ -284,6 +286,8 @@ def test_supported_features_lists(backends):
     ("if/then/else open string", {'{"mode": "count", "n": 2}': True, '{"mode": "count"}': False,
                                   '{"mode": "counts"}': True, '{"mode": "coun", "n": 1}': False,
                                   '{"mode": ""}': True, '{"mode": "x\\n"}': True}),
+    ("not of numbers", {"3": False, "-2": False, "0.5": False, "3.0": False, "0": True,
+                        "4": True, "-3": True, "0.25": True, "2.5": True}),
     ("not const string", {'"mult"': True, '"multis"': True, '""': True, '"multi"': False,
                           '"multi\\n"': True, '"mu\\u006cti"': False}),
     ("not enum of each type", {'"b"': True, '""': True, '"a"': False, "4": True, "2": True,
