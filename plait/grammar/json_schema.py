@@ -152,7 +152,8 @@ def check_schema(schema: Any) -> None:
     constraint's root is checked (a schema placed below another's root, as tool_calls.py's
     list of calls places each tool's, escapes its root's check)."""
     try:
-        _Normalizer._validator(schema)
+        normalizer = _Normalizer(schema, SchemaPolicy("check", CORE_KEYWORDS))
+        normalizer.check_refs(schema, "$")
     except RecursionError:
         raise GrammarError("json_schema: schema nested too deeply", "json_schema") from None
 
@@ -533,6 +534,19 @@ class _Normalizer:
                 raise _unsatisfiable(path, f"$ref {ref!r} is false")
             self.defs[name] = core
         return {"$ref": f"#/$defs/{name}"}
+
+    def check_refs(self, schema: Any, path: str) -> None:
+        """Every $ref below `schema` points inside the root and resolves (what ref() would
+        find at compile time, found without compiling: the error names the $ref's path)."""
+        if isinstance(schema, list):
+            for i, sub in enumerate(schema):
+                self.check_refs(sub, _at(path, i))
+        elif isinstance(schema, dict):
+            if isinstance(schema.get("$ref"), str):
+                self.resolve(self.pointer_of(schema["$ref"], path), path)
+            for key, sub in schema.items():
+                if key not in ("const", "enum", "default", "examples"):  # values, not schemas
+                    self.check_refs(sub, _at(path, key))
 
     def pointer_of(self, ref: Any, path: str) -> str:
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):

@@ -258,7 +258,10 @@ def test_tools_and_calls_reach_the_chat_template(server):
     ({"tools": [WEATHER], "tool_choice": named("get_weather"), "regex": "a+"}, "regex"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}],
-      "tool_choice": "required"}, "tools"),
+      "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "other.json#/a"}}}}}],
+      "tool_choice": "none"}, "tools.1.function.parameters"),
     # an invalid schema is refused under "required" too, where it sits below the list's root
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": []}}}], "tool_choice": "required"},
@@ -289,6 +292,8 @@ def test_bad_tools_are_a_400_naming_the_field(server, body, field):
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == field, err
+    if "$ref" in json.dumps(body):
+        assert "$.properties.x" in err["message"], err  # where the $ref is
 
 
 def test_streamed_calls_carry_every_tokens_logprob(client):
