@@ -192,7 +192,8 @@ class OutlinesBackend(GrammarBackend):
                 "notes": [
                     "recursive $ref unrolls 3 levels (a subset)",
                     "json_object nests objects/arrays two levels (a subset)",
-                    "oneOf only when its branches cannot overlap; allOf when they merge exactly",
+                    ("oneOf when its branches cannot overlap, or each branch less those it "
+                     "may overlap where plait spells that `not`; allOf when they merge exactly"),
                     "pattern is matched against the whole string",
                     ("not only of one type list, one required list (closed objects), one "
                      "pattern anchored at both ends that repeats one character class, a const "

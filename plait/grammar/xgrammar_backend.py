@@ -165,7 +165,8 @@ class XGrammarBackend(GrammarBackend):
 _SCHEMA_NOTES = [
     "objects carry only declared properties unless additionalProperties/patternProperties "
     "allow more; arrays only declared items",
-    "oneOf only when its branches cannot overlap; allOf when its branches merge exactly",
+    ("oneOf when its branches cannot overlap, or each branch less those it may overlap where "
+     "plait spells that `not`; allOf when its branches merge exactly"),
     "pattern is matched against the whole string; minLength/maxLength combine with a pattern "
     "that has one variable-length part",
     "a maxLength more than 32 above minLength is enforced on the raw JSON text: an escape "

@@ -89,3 +89,17 @@ def test_not_of_values_accepts_exactly_the_others(backends, tokenizer, backend_n
         return  # the integers around an excluded one are bounds, which outlines refuses
     texts = [json.dumps(v) for v in _SCALARS if type(v) is not float]
     _check_exact(backends[backend_name], tokenizer, schema, texts)
+
+
+@pytest.mark.parametrize("words", [["multi", "mu", "x"], [""], [], ["a", "ab", "b"],
+                                   ["nano", "vim"], ["a\nb", "é"]])
+def test_the_pattern_of_all_strings_but_some_matches_exactly_the_others(words):
+    import re
+
+    from plait.grammar.json_schema import _pattern_but
+
+    pattern = _pattern_but(words)
+    alphabet = "abmuxé\n"
+    texts = ["".join(t) for n in range(4) for t in itertools.product(alphabet, repeat=n)]
+    for text in texts + words + ["multis", "nanox", "vimm", "a\nbc"]:
+        assert bool(re.search(pattern, text)) == (text not in words), (words, text)

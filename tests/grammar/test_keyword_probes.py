@@ -55,6 +55,11 @@ PROBES: dict[str, dict] = {
     "const": {"const": {"k": ["v", None]}},
     "anyOf": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 1}]},
     "oneOf overlapping": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+    "oneOf with an always-true branch": {"type": "string", "oneOf": [
+        {"enum": ["nano", "vim"]}, {}]},
+    "oneOf overlapping on a key": {"type": "object", "properties": {
+        "k": {"enum": ["a", "b"]}, "n": {"type": "integer"}}, "required": ["k"], "oneOf": [
+        {"properties": {"k": {"const": "a"}}}, {"required": ["n"]}]},
     "oneOf disjoint": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
     "oneOf required": {"type": "object", "properties": {"x": {"type": "integer"},
                                                         "y": {"type": "integer"}},
@@ -288,6 +293,10 @@ def test_supported_features_lists(backends):
                                   '{"mode": ""}': True, '{"mode": "x\\n"}': True}),
     ("not of numbers", {"3": False, "-2": False, "0.5": False, "3.0": False, "0": True,
                         "4": True, "-3": True, "0.25": True, "2.5": True}),
+    ("oneOf with an always-true branch", {'"emacs"': True, '""': True, '"nano"': False,
+                                          '"vim"': False, '"vi"': True}),
+    ("oneOf overlapping on a key", {'{"k": "a"}': True, '{"k": "b", "n": 1}': True,
+                                    '{"k": "a", "n": 1}': False, '{"k": "b"}': False}),
     ("not const string", {'"mult"': True, '"multis"': True, '""': True, '"multi"': False,
                           '"multi\\n"': True, '"mu\\u006cti"': False}),
     ("not enum of each type", {'"b"': True, '""': True, '"a"': False, "4": True, "2": True,
