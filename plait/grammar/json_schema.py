@@ -13,7 +13,8 @@ rewritten into a core that uses only:
     array: items, prefixItems, minItems, maxItems
 
 Every other assertion keyword is either rewritten exactly into those (allOf -> merged,
-oneOf -> anyOf when its branches provably cannot overlap, enum/const filtered by the sibling
+oneOf -> anyOf when its branches provably cannot overlap (or of each branch and
+not the others where that `not` is one of the forms below), enum/const filtered by the sibling
 keywords with jsonschema itself, type lists -> anyOf, draft-4 forms, `items` arrays,
 dependencies / dependentRequired / dependentSchemas -> anyOf over the conditional keys' presence,
 if/then/else -> anyOf of (if and then) and (not if and else), `not` of an always-true schema ->
