@@ -264,7 +264,8 @@ def test_server_info(http, server):
     grammar = info["grammar_backends"]  # what each constraint backend enforces
     assert set(grammar) == {"xgrammar", "outlines"}
     assert "ebnf" in grammar["xgrammar"]["kinds"] and "ebnf" not in grammar["outlines"]["kinds"]
-    assert "if" in grammar["xgrammar"]["json_schema"]["refused_keywords"]
+    assert "contains" in grammar["xgrammar"]["json_schema"]["refused_keywords"]
+    assert "if" in grammar["xgrammar"]["json_schema"]["supported_keywords"]
 
 
 def test_flush_cache(http):
