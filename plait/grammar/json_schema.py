@@ -85,7 +85,7 @@ TRANSLATION = 4
 DEPENDENCY_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas")
 CONDITIONAL_KEYWORDS = ("if", "then", "else")
 # keywords every backend enforces once plait has rewritten the schema (some conditionally:
-# oneOf if disjoint, allOf if mergeable, uniqueItems if trivially true, formats in formats.py,
+# oneOf if disjoint, allOf if mergeable, uniqueItems over <= 1 item or a few values, formats,
 # not of one type / required list / pattern, dependencies of at most 4 optional keys)
 CORE_KEYWORDS = frozenset(
     {
@@ -116,6 +116,9 @@ _MAX_CONDITIONAL_KEYS = 4
 # two anyOf lists merged (allOf, if/then/else beside an anyOf) become the anyOf of every pair:
 # at most this many
 _MAX_ANY_OF_PRODUCT = 16
+# uniqueItems over items of a few values: the anyOf of the arrays of distinct values, at most
+# this many (4 values: 65 arrays; 5: 326)
+_MAX_UNIQUE_ARRAYS = 400
 
 
 @dataclass(frozen=True)
@@ -1149,16 +1152,37 @@ class _Normalizer:
             out["items"] = core
             if core is False and not prefix:
                 high = 0
-        if s.get("uniqueItems") is True and not (high is not None and high <= 1):
-            raise _error(f"keyword 'uniqueItems' at {path} is not supported (a grammar cannot "
-                         "enforce distinct items)")
         if high is not None and low > high:
             raise _unsatisfiable(path, "minItems exceeds the items allowed")
+        if s.get("uniqueItems") is True and not (high is not None and high <= 1):
+            return self.distinct(out, low, high, path)
         if low:
             out["minItems"] = low
         if high is not None:
             out["maxItems"] = high
         return out
+
+    def distinct(self, out: dict, low: int, high: int | None, path: str) -> Any:
+        """uniqueItems over items of a few values (an enum, booleans, null): the anyOf of every
+        array of distinct values with an allowed length, at most _MAX_UNIQUE_ARRAYS of them.
+        Distinct items are otherwise beyond a grammar (refused)."""
+        values = None if "prefixItems" in out else _finite_values(self.deref(out.get("items", {})))
+        if values is None:
+            raise _error(f"keyword 'uniqueItems' at {path} is not supported (a grammar cannot "
+                         "enforce distinct items, except over items of a few values)")
+        top = len(values) if high is None else min(high, len(values))
+        if low > top:
+            raise _unsatisfiable(path, f"minItems {low} exceeds the {len(values)} distinct "
+                                 "values the items allow")
+        count = sum(math.perm(len(values), n) for n in range(low, top + 1))
+        if count > _MAX_UNIQUE_ARRAYS:
+            raise _error(f"keyword 'uniqueItems' at {path} is not supported here: its items' "
+                         f"{len(values)} values make {count} arrays of distinct items (at most "
+                         f"{_MAX_UNIQUE_ARRAYS})")
+        arrays = [{"type": "array", "prefixItems": [{"const": v} for v in a], "items": False,
+                   "minItems": n, "maxItems": n}  # (an enum of arrays: another layout)
+                  for n in range(low, top + 1) for a in itertools.permutations(values, n)]
+        return arrays[0] if len(arrays) == 1 else {"anyOf": arrays}
 
     def prefix_items(self, prefix: list, high: int | None, path: str) -> tuple[list, int | None]:
         cores = []
@@ -1197,6 +1221,18 @@ def _closed_object(core: Any) -> bool:
 
 def _valid_bool(schema: bool) -> bool:
     return schema
+
+
+def _finite_values(core: Any) -> list | None:
+    """The values a core schema allows, in its order, if it names them all (enum, const,
+    boolean, null); else None."""
+    if not isinstance(core, dict):
+        return None
+    if "const" in core:
+        return [core["const"]]
+    if "enum" in core:
+        return list({_canon(v): v for v in core["enum"]}.values())
+    return {"boolean": [True, False], "null": [None]}.get(core.get("type")) if len(core) == 1 else None
 
 
 def _values(core: Any) -> set[str] | None:

@@ -195,6 +195,8 @@ class OutlinesBackend(GrammarBackend):
                     ("oneOf when its branches cannot overlap, or each branch less those it "
                      "may overlap where plait spells that `not`; allOf when they merge exactly"),
                     "pattern is matched against the whole string",
+                    ("uniqueItems when maxItems <= 1 or over items of a few values (at most "
+                     "400 arrays)"),
                     ("not only of one type list, one required list (closed objects), one "
                      "pattern anchored at both ends that repeats one character class, a const "
                      "or enum of strings, booleans or null, or an object's properties/required "

@@ -172,7 +172,8 @@ _SCHEMA_NOTES = [
     "a maxLength more than 32 above minLength is enforced on the raw JSON text: an escape "
     "(\\n, \\u00XX) counts its 2 or 6 characters, so strings with escapes may end shorter "
     "than maxLength allows (never longer)",
-    "multipleOf on whole numbers only; uniqueItems only when maxItems <= 1",
+    ("multipleOf on whole numbers only; uniqueItems when maxItems <= 1 or over items of a few "
+     "values (at most 400 arrays)"),
     ("not only of one type list, one required list (closed objects), one pattern anchored "
      "at both ends that repeats one character class, one numeric bound, a const or enum of "
      "scalars (strings only where no pattern, format or length applies), or an object's "

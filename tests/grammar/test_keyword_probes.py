@@ -51,6 +51,9 @@ PROBES: dict[str, dict] = {
     "minItems/maxItems": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
                           "maxItems": 3},
     "uniqueItems": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True},
+    "uniqueItems of strings": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+    "uniqueItems of booleans": {"type": "array", "items": {"type": "boolean"},
+                                "uniqueItems": True, "minItems": 1},
     "enum siblings": {"enum": ["a", "bb", 3], "type": "string", "maxLength": 1},
     "const": {"const": {"k": ["v", None]}},
     "anyOf": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 1}]},
@@ -188,7 +191,7 @@ REFUSED = {
     "multipleOf": OUTLINES,
     "multipleOf one bound": BOTH,
     "multipleOf fraction": BOTH,
-    "uniqueItems": BOTH,
+    "uniqueItems of strings": BOTH,
     "oneOf overlapping": BOTH,
     "not unanchored pattern": BOTH,
     "not of two keywords": BOTH,
@@ -259,7 +262,7 @@ def test_supported_features_lists(backends):
     for backend in backends.values():
         features = type(backend).supported_features()
         keywords = features["json_schema"]
-        assert "uniqueItems" in keywords["supported_keywords"]  # conditionally (maxItems <= 1)
+        assert "uniqueItems" in keywords["supported_keywords"]  # items of a few values
         assert "if" in keywords["supported_keywords"]  # rewritten: see the notes
         assert "contains" in keywords["refused_keywords"]
         assert "not" in keywords["supported_keywords"]  # conditionally: see the notes
@@ -297,6 +300,10 @@ def test_supported_features_lists(backends):
                                           '"vim"': False, '"vi"': True}),
     ("oneOf overlapping on a key", {'{"k": "a"}': True, '{"k": "b", "n": 1}': True,
                                     '{"k": "a", "n": 1}': False, '{"k": "b"}': False}),
+    ("uniqueItems", {"[1, 2]": True, "[2, 1]": True, "[]": True, "[2]": True, "[1, 1]": False,
+                     "[1, 2, 1]": False}),
+    ("uniqueItems of booleans", {"[true]": True, "[false, true]": True, "[]": False,
+                                 "[true, true]": False}),
     ("not const string", {'"mult"': True, '"multis"': True, '""': True, '"multi"': False,
                           '"multi\\n"': True, '"mu\\u006cti"': False}),
     ("not enum of each type", {'"b"': True, '""': True, '"a"': False, "4": True, "2": True,
