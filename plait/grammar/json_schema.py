@@ -466,14 +466,16 @@ class _Normalizer:
                 if left:
                     branches.append({**_without(rest, "type"), "enum": left})
             elif t in ("integer", "number"):
-                points = sorted({float(v) for v in mine})
+                # exact values (a float would round integers past 2**53)
+                points = sorted({_canon(v): int(v) if t == "integer" else v
+                                 for v in mine}.values())
                 cuts = [None, *points, None]
                 for lo, hi in zip(cuts, cuts[1:]):
                     extra: dict = {"type": t}
                     if lo is not None:
-                        extra["exclusiveMinimum"] = int(lo) if t == "integer" else lo
+                        extra["exclusiveMinimum"] = lo
                     if hi is not None:
-                        extra["exclusiveMaximum"] = int(hi) if t == "integer" else hi
+                        extra["exclusiveMaximum"] = hi
                     branches.append({"allOf": [rest, extra]})
             elif t == "string":
                 if {"pattern", "format", "minLength", "maxLength"} & rest.keys():
@@ -726,8 +728,9 @@ class _Normalizer:
             if j == i or self.never_valid(cores[i], raw):
                 continue
             overlapping.append(j)
-            narrowed = self.drop_required_of(core, raw)
-            core = narrowed if narrowed is not None and self.never_valid(narrowed, raw) else None
+            if core is not None and not self.never_valid(core, raw):
+                narrowed = self.drop_required_of(core, raw)
+                core = narrowed if narrowed is not None and self.never_valid(narrowed, raw) else None
         if core is not None:
             return core
         names, defs = dict(self.def_names), dict(self.defs)
