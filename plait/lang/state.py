@@ -193,6 +193,11 @@ class ProgramState:
         while True:
             version = ex.version
             value = ex.text_ if var_name is None else ex.variables.get(var_name, "")
+            if isinstance(value, list):
+                raise ValueError(
+                    f"text_iter({var_name!r}): the variable holds a list (one value per forked "
+                    f"branch, gathered by join), not text to stream; read s[{var_name!r}], or "
+                    "stream each branch's state")
             complete = ex.finished or (var_name is not None and ex.var_done(var_name))
             if isinstance(value, str) and len(value) > sent:
                 chunk, sent = value[sent:], len(value)

@@ -105,6 +105,14 @@ def test_branches_are_readable_after_the_join(engine_backend):
     assert state.text().endswith("|" + state["y"][1])
 
 
+def test_streaming_a_gathered_variable_says_it_is_a_list(engine_backend):
+    # it yielded nothing: a list is not text
+    state = join_then_read.run(stream=True, backend=engine_backend)
+    with pytest.raises(ValueError, match=r"text_iter\('y'\): the variable holds a list"):
+        list(state.text_iter("y"))
+    assert len(state["y"]) == 2
+
+
 @pl.function
 def fork_n(s, n):
     s += "Shared:"
