@@ -571,8 +571,6 @@ async def completions(request: Request) -> Response:
         raise RequestError("suffix", "not supported by plait")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
-    if req.echo and req.stream and req.logprobs is not None:
-        raise RequestError("echo", "not supported with stream and logprobs together")
     prompts = _completion_prompts(req.prompt)
     sp = sampling_params(req, req.max_tokens, {})
     # echo + logprobs scores the prompt too (lm-evaluation-harness's loglikelihood)
@@ -588,7 +586,7 @@ async def completions(request: Request) -> Response:
             inputs,
             head,
             _completion_chunks(req, texts, [_prompt_text(tm.tokenizer, p) for p in prompts]
-                               if req.echo else None),
+                               if req.echo else None, echo_logprobs),
             usage_n=req.n if _include_usage(req) else None,
             continuous_usage=_continuous_usage(req),
         )
@@ -785,20 +783,26 @@ async def _deltas(
 
 
 def _completion_chunks(req: CompletionRequest, texts: TokenTexts,
-                       echoes: list[str] | None = None) -> Callable[[Delta], list[dict]]:
+                       echoes: list[str] | None = None,
+                       echo_logprobs: bool = False) -> Callable[[Delta], list[dict]]:
     """Text deltas; with `echo` (echoes: each prompt's text), a choice's first chunk starts with
-    its prompt, as vLLM streams it."""
-    echoed: set[int] = set()
+    its prompt, as vLLM streams it, and with logprobs its prompt tokens' logprobs first (the
+    later chunks' text offsets count the prompt's tokens, as the whole answer's do)."""
+    echoed: dict[int, int] = {}  # choice -> width of its prompt's tokens (text_offset's shift)
 
     def render(d: Delta) -> list[dict]:
         if not (d.text or d.finish_reason or d.tokens[1] > d.tokens[0]):
             return []
+        first = echoes is not None and d.index not in echoed
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(d.state, *d.tokens, texts, d.text_offset)
+            logprobs = completion_logprobs(d.state, *d.tokens, texts,
+                                           d.text_offset + echoed.get(d.index, 0),
+                                           echo_logprobs and first)
         text = d.text
-        if echoes is not None and d.index not in echoed:
-            echoed.add(d.index)
+        if first:
+            echoed[d.index] = sum(len(texts(tok)) for _, tok in
+                                  d.state.input_token_logprobs or []) if echo_logprobs else 0
             text = echoes[d.index // req.n] + text
         choice = {
             "index": d.index,

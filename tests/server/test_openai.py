@@ -301,7 +301,7 @@ def test_token_id_prompt_and_echo(client):
 
 def test_streamed_echo_starts_each_choice_with_its_prompt(client, http):
     """echo with stream (vLLM streams it): each choice's text, its chunks joined, is what the
-    same request returns whole; echo + stream + logprobs is a 400 naming echo."""
+    same request returns whole; with logprobs too, so are its logprobs (the prompt's first)."""
     base = dict(model=MODEL_NAME, prompt=["Echo me", "And me"], max_tokens=3, temperature=0,
                 n=2, echo=True)
     whole = client.completions.create(**base)
@@ -311,8 +311,17 @@ def test_streamed_echo_starts_each_choice_with_its_prompt(client, http):
             joined[c.index] += c.text
     assert joined == [c.text for c in whole.choices]
     assert joined[2].startswith("And me")
-    r = http.post("/v1/completions", json={**base, "stream": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    for max_tokens in (3, 0):
+        scored = {**base, "logprobs": 1, "max_tokens": max_tokens}
+        whole = client.completions.create(**scored)
+        parts = [{"tokens": [], "token_logprobs": [], "text_offset": []} for _ in range(4)]
+        for chunk in client.completions.create(**scored, stream=True):
+            for c in chunk.choices:
+                for key, got in parts[c.index].items():
+                    got += getattr(c.logprobs, key) if c.logprobs else []
+        for c in whole.choices:
+            assert parts[c.index] == {key: getattr(c.logprobs, key) for key in parts[0]}
+            assert parts[c.index]["token_logprobs"][0] is None  # the prompt's first token
 
 
 @pytest.mark.parametrize("max_tokens", [0, 3])
