@@ -302,7 +302,9 @@ class ServerArgs:
     )
     stream_interval: int = _opt(1, "send streamed tokens every N decode steps")
     log_level: str = _opt("info", "logging level", LOG_LEVELS)
-    ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: private tmp)")
+    ipc_dir: str | None = _opt(None, "directory for the ZMQ ipc:// sockets (default: a private "
+                               "temp dir, removed at shutdown; those of killed launches are "
+                               "removed by the next)")
     # data parallelism (plait/server/replicas.py): `plait serve` only
     dp_size: int = _opt(
         1, "serve N independent replicas on ports PORT+1..PORT+N (each its own process, KV "

@@ -220,6 +220,32 @@ class ChildProcess:
         return info
 
 
+IPC_PREFIX = "plait-ipc-"  # + the launching process's pid + "-" + mkdtemp's random part
+
+
+def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
+    """Remove the ipc dirs (sockets only) that earlier launches of this user left in the temp
+    dir when killed before their shutdown ran (SIGKILL): those whose launching process is gone.
+    Returns the removed paths."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            pid = entry.name[len(IPC_PREFIX):].split("-", 1)[0]
+            if not (entry.name.startswith(IPC_PREFIX) and pid.isdigit()):
+                continue
+            try:
+                if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                    continue
+                os.kill(int(pid), 0)  # alive (or another user's): keep it
+            except ProcessLookupError:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+            except OSError:
+                continue
+    return removed
+
+
 def launch_children(args: ServerArgs) -> ChildProcesses:
     """Start detokenizer and scheduler; returns once both are ready (or raises)."""
     model_path = resolve_model_path(args.resolved_model_path)
@@ -228,7 +254,9 @@ def launch_children(args: ServerArgs) -> ChildProcesses:
             os.makedirs(args.ipc_dir, exist_ok=True)
         except OSError as e:
             raise ValueError(f"ipc_dir: cannot use {args.ipc_dir!r} as a directory ({e})") from None
-    ipc_dir = args.ipc_dir or tempfile.mkdtemp(prefix="plait-ipc-")
+    if not args.ipc_dir:
+        remove_stale_ipc_dirs()
+    ipc_dir = args.ipc_dir or tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
     rt = ChildProcesses(args, model_path, IpcAddrs.in_dir(ipc_dir), ipc_dir,
                           owns_ipc_dir=args.ipc_dir is None)
     try:

@@ -4,6 +4,7 @@ streaming, abort-free shutdown."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -73,6 +74,26 @@ def test_an_ipc_dir_is_made_if_missing_and_left_without_its_sockets(tiny_llama, 
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="ipc_dir"):
         plait.Engine(tiny_llama, ipc_dir=str(tmp_path / "file" / "sub"))
+
+
+def test_ipc_dirs_left_by_killed_launches_are_removed(tmp_path):
+    """A frontend killed by SIGKILL leaves its ipc dir (sockets) in the temp dir; the next
+    launch removes those whose launching process is gone, and only those."""
+    import subprocess
+    import sys
+
+    from plait.launch import IPC_PREFIX, remove_stale_ipc_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"{IPC_PREFIX}{gone.pid}-abc"
+    alive = tmp_path / f"{IPC_PREFIX}{os.getpid()}-def"
+    other = tmp_path / f"{IPC_PREFIX}old"  # no pid in the name (an older plait): kept
+    for d in (stale, alive, other):
+        d.mkdir()
+        (d / "scheduler").write_text("")
+    assert remove_stale_ipc_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and alive.exists() and other.exists()
 
 
 def test_no_prompt_is_named_in_the_engine_s_words(engine):
