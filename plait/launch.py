@@ -225,8 +225,9 @@ IPC_PREFIX = "plait-ipc-"  # + the launching process's pid + "-" + mkdtemp's ran
 
 def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
     """Remove the ipc dirs (sockets only) that earlier launches of this user left in the temp
-    dir when killed before their shutdown ran (SIGKILL): those whose launching process is gone.
-    Returns the removed paths."""
+    dir when killed before their shutdown ran (SIGKILL): those whose launching process is gone
+    and whose sockets no process listens on (a pid from another pid namespace sharing the temp
+    dir would look gone). Returns the removed paths."""
     root = root or tempfile.gettempdir()
     removed = []
     with contextlib.suppress(OSError):
@@ -239,11 +240,25 @@ def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
                     continue
                 os.kill(int(pid), 0)  # alive (or another user's): keep it
             except ProcessLookupError:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(entry.path)
+                if not _listened_on(entry.path):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.path)
             except OSError:
                 continue
     return removed
+
+
+def _listened_on(directory: str) -> bool:
+    """Some Unix socket in the directory accepts a connection."""
+    for entry in os.scandir(directory):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(0.5)
+            try:
+                probe.connect(entry.path)
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def launch_children(args: ServerArgs) -> ChildProcesses:

@@ -79,6 +79,7 @@ def test_an_ipc_dir_is_made_if_missing_and_left_without_its_sockets(tiny_llama, 
 def test_ipc_dirs_left_by_killed_launches_are_removed(tmp_path):
     """A frontend killed by SIGKILL leaves its ipc dir (sockets) in the temp dir; the next
     launch removes those whose launching process is gone, and only those."""
+    import socket
     import subprocess
     import sys
 
@@ -92,8 +93,13 @@ def test_ipc_dirs_left_by_killed_launches_are_removed(tmp_path):
     for d in (stale, alive, other):
         d.mkdir()
         (d / "scheduler").write_text("")
-    assert remove_stale_ipc_dirs(str(tmp_path)) == [str(stale)]
-    assert not stale.exists() and alive.exists() and other.exists()
+    listened = tmp_path / f"{IPC_PREFIX}{gone.pid}-ghi"  # a pid from another namespace
+    listened.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(listened / "scheduler"))
+        server.listen()
+        assert remove_stale_ipc_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and alive.exists() and other.exists() and listened.exists()
 
 
 def test_no_prompt_is_named_in_the_engine_s_words(engine):
