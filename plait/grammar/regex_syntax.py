@@ -467,38 +467,47 @@ def json_string_regex_not(pattern: str, min_len: int, max_len: int | None,
 def json_key_regex(pattern: str, exclude: list[str]) -> str | None:
     """json_string_regex(pattern) less the strings in `exclude` (an object's declared property
     names, which a patternProperties key must not repeat), or None when the pattern is not one
-    character set repeated (X* or X+, as property-name patterns usually are): the complement
-    is then spelled from a trie of the names, any other character leading back to X*."""
+    character set repeated (X* or X+, as property-name patterns usually are)."""
     node = _repeated_set(parse(pattern, "json_schema"))
     if node is None:
         return None
-    x = node.item.chars
-    trie: dict = {}
-    for word in exclude:
-        level = trie
-        for ch in word:
-            level = level.setdefault(ch, {})
-        level[None] = {}  # the word ends here
+    return _json_text(strings_but(node.item.chars, exclude, nonempty=node.lo == 1))
 
-    def rest(level: dict, start: bool) -> Node | None:
-        """The continuations from a trie node that spell no excluded word."""
-        options: list[Node] = []
-        if None not in level and not (start and node.lo == 1):
-            options.append(EMPTY)
-        kids = [c for c in level if c is not None and intersect(x, chars(c))]
-        other = subtract(x, chars(*kids)) if kids else x
-        if other:
-            options.append(Seq((Char(other), Repeat(Char(x), 0, None))))
-        for c in kids:
-            after = rest(level[c], False)
-            if after is not None:
-                options.append(Seq((Char(chars(c)), after)))
-        if not options:
-            return None
+
+def strings_but(x: CharSet, words: list[str], nonempty: bool = False) -> Node:
+    """The strings of characters from x (at least one if nonempty) except `words`, spelled
+    from their trie: a way off the trie (a prefix of a word, then a character of x that leads
+    off every word; or a whole word, then one more character), then anything of x; or a prefix
+    of a word that is itself no word. The tail is written once: with one per way off the trie,
+    outlines-core took 186 s to build its index for two short words (0.04 s this way)."""
+    trie: dict = {}
+    for word in words:
+        if all(intersect(x, chars(c)) for c in word):  # x cannot spell the others
+            level = trie
+            for ch in word:
+                level = level.setdefault(ch, {})
+            level[None] = {}  # the word ends here
+
+    def one_of(options: list[Node]) -> Node:
         return options[0] if len(options) == 1 else Alt(tuple(options))
 
-    tree = rest(trie, True)
-    return None if tree is None else _json_text(tree)
+    def leave(level: dict) -> Node:
+        kids = sorted(c for c in level if c is not None)
+        other = subtract(x, chars(*kids)) if kids else x
+        return one_of(([Char(other)] if other else [])
+                      + [Seq((Char(chars(c)), leave(level[c]))) for c in kids])
+
+    def inside(level: dict, start: bool) -> Node | None:
+        options: list[Node] = [] if None in level or (start and nonempty) else [EMPTY]
+        for c in sorted(k for k in level if k is not None):
+            after = inside(level[c], False)
+            if after is not None:
+                options.append(Seq((Char(chars(c)), after)))
+        return one_of(options) if options else None
+
+    off = Seq((leave(trie), Repeat(Char(x), 0, None)))
+    short = inside(trie, True)
+    return off if short is None else Alt((off, short))
 
 
 def fold_length(node: Node, min_len: int, max_len: int | None, where: str) -> Node:

@@ -286,9 +286,7 @@ def merge_equal_rules(ebnf: str, root: str = "root") -> str:
         cls, shapes = refined, keys
     first: dict[int, str] = {}
     for n in order:
-        first.setdefault(cls[n], n)
-    if root in cls:
-        first[cls[root]] = root
+        first.setdefault(cls[n], n)  # the root is alone in its class
     lines = [
         f"{n}{heads[n]} ::= " + "".join(first[cls[t]] if t in bodies else t for t in bodies[n])
         for n in order
