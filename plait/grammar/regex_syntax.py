@@ -15,6 +15,7 @@ JSON must escape come out as their escape sequence, and minLength/maxLength are 
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 
@@ -510,8 +511,16 @@ def strings_but(x: CharSet, words: list[str], nonempty: bool = False) -> Node:
     return off if short is None else Alt((off, short))
 
 
+# a repetition of a variable-length part under a length budget (`(?:/[a-z]*)*` in a uri of at
+# most 2048 characters) repeats at most this many times, each repeat taking its share
+MAX_SHARED_REPEATS = 8
+
+
 def fold_length(node: Node, min_len: int, max_len: int | None, where: str) -> Node:
-    """Restrict node to strings of min_len..max_len characters, exactly, or refuse."""
+    """Restrict node to strings of min_len..max_len characters, or refuse. Exact (every string
+    of an allowed length the node matches) where one part varies in length; where several do
+    (`^\\d+\\.\\d+$`, an email), each gets a share of the lengths (`_shares`): a subset of
+    those strings, every one of them of an allowed length and matching the node."""
     lo, hi = length_range(node)
     if lo >= min_len and (max_len is None or (hi is not None and hi <= max_len)):
         return node
@@ -538,27 +547,98 @@ def fold_length(node: Node, min_len: int, max_len: int | None, where: str) -> No
         return Repeat(node.item, new_lo, new_hi)
     if isinstance(node, Seq):
         return _fold_seq(node, min_len, max_len, where)
-    raise GrammarError(
-        f"json_schema: minLength/maxLength at {where} cannot be combined with this pattern or "
-        "format (only patterns with one variable-length part can be length-limited exactly)",
-        "json_schema",
-    )
+    assert isinstance(node, Repeat)
+    return _fold_repeat(node, min_len, max_len, where)
 
 
 def _fold_seq(node: Seq, min_len: int, max_len: int | None, where: str) -> Node:
     ranges = [length_range(i) for i in node.items]
     variable = [i for i, (a, b) in enumerate(ranges) if a != b]
-    if len(variable) != 1:
+    if len(variable) == 1:  # exact: the one variable part takes what the fixed ones leave
+        k = variable[0]
+        fixed = sum(a for i, (a, _) in enumerate(ranges) if i != k)
+        inner_max = None if max_len is None else max_len - fixed
+        folded = fold_length(node.items[k], max(0, min_len - fixed), inner_max, where)
+        return Seq(node.items[:k] + (folded,) + node.items[k + 1 :])
+    lows = _shares([a for a, _ in ranges], [b for _, b in ranges], min_len, grow_present=True)
+    highs: list[int | None] = [b for _, b in ranges]
+    if max_len is not None:
+        highs = _shares(lows, highs, max_len)
+    return Seq(tuple(_fold_part(item, low, high, where)
+                     for item, low, high in zip(node.items, lows, highs)))
+
+
+def _fold_repeat(node: Repeat, min_len: int, max_len: int | None, where: str) -> Node:
+    """A repetition of a part longer than one character, in lengths min_len..max_len: a count
+    range and a length range for each repeat whose products fall inside (a subset)."""
+    a, b = length_range(node.item)
+    count_hi, item_hi = node.hi, b
+    if max_len is not None:
+        most = MAX_SHARED_REPEATS if node.hi is None else min(node.hi, MAX_SHARED_REPEATS)
+        if b is not None and b > 0 and (a == b or max_len // b >= max(node.lo, 1, most)):
+            # repeats of one length, or whole repeats of any length as many as the shares
+            # would give: only the count is limited (exact for repeats of one length)
+            count_hi = max_len // b if node.hi is None else min(node.hi, max_len // b)
+        else:  # about as many repeats as each one's share is long, at most MAX_SHARED_REPEATS
+            guess = max(1, min(MAX_SHARED_REPEATS, math.isqrt(max_len // max(a, 1))))
+            count_hi = max(node.lo, guess if node.hi is None else min(node.hi, guess))
+            if a and count_hi * a > max_len:
+                count_hi = max_len // a
+            if count_hi == 0:
+                if min_len:
+                    raise _unsatisfiable(where)
+                return EMPTY
+            item_hi = max_len // count_hi
+    count_lo, item_lo = node.lo, a
+    if min_len > count_lo * item_lo:
+        if item_lo > 0:  # more repeats first, then longer ones
+            want = -(-min_len // item_lo)
+            count_lo = max(count_lo, want if count_hi is None else min(count_hi, want))
+        count_lo = max(count_lo, 1)
+        if count_hi is not None and count_lo > count_hi:
+            raise _unsatisfiable(where)
+        item_lo = max(item_lo, -(-min_len // count_lo))
+        if item_hi is not None and item_lo > item_hi:
+            raise _unsatisfiable(where)
+    return Repeat(_fold_part(node.item, item_lo, item_hi, where), count_lo, count_hi)
+
+
+def _fold_part(node: Node, low: int, high: int | None, where: str) -> Node:
+    try:
+        return fold_length(node, low, high, where)
+    except _Unsatisfiable:  # its share has no string (`(ab)+` in 3 characters): the split's
         raise GrammarError(
-            f"json_schema: minLength/maxLength at {where} cannot be combined with a pattern or "
-            "format that has several variable-length parts",
+            f"json_schema: minLength/maxLength at {where} cannot be combined with this pattern or "
+            "format (no split of the lengths among its variable parts was found)",
             "json_schema",
-        )
-    k = variable[0]
-    fixed = sum(a for i, (a, _) in enumerate(ranges) if i != k)
-    inner_max = None if max_len is None else max_len - fixed
-    folded = fold_length(node.items[k], max(0, min_len - fixed), inner_max, where)
-    return Seq(node.items[:k] + (folded,) + node.items[k + 1 :])
+        ) from None
+
+
+def _shares(lows: list[int], highs: list[int | None], total: int, grow_present: bool = False
+            ) -> list[int]:
+    """Per-part lengths between lows and highs (None: no limit) that add up to `total` where
+    they can (else to as close to it as the highs allow), the extra spread evenly over the
+    parts with room: the maxLength budget among the parts, or (grow_present) more minimum for
+    minLength, given first to parts that must appear anyway, so that an optional part (a
+    uri's port) is not made to appear while a present one can grow."""
+    out = list(lows)
+    left = total - sum(out)
+    passes = ([i for i, low in enumerate(lows) if low > 0], range(len(lows))) if grow_present \
+        else (range(len(lows)),)
+    for parts in passes:
+        while left > 0:
+            room = [i for i in parts if highs[i] is None or out[i] < highs[i]]  # type: ignore[operator]
+            if not room:
+                break
+            each = max(1, left // len(room))
+            for i in room:
+                high = highs[i]
+                give = min(each, left, each if high is None else high - out[i])
+                out[i] += give
+                left -= give
+                if not left:
+                    break
+    return out
 
 
 class _Unsatisfiable(GrammarError):

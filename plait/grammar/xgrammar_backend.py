@@ -167,8 +167,9 @@ _SCHEMA_NOTES = [
     "allow more; arrays only declared items",
     ("oneOf when its branches cannot overlap, or each branch less those it may overlap where "
      "plait spells that `not`; allOf when its branches merge exactly"),
-    "pattern is matched against the whole string; minLength/maxLength combine with a pattern "
-    "that has one variable-length part",
+    ("pattern is matched against the whole string; minLength/maxLength with a pattern or "
+     "format: exact where it has one variable-length part, where it has several each part "
+     "gets a share of the lengths (every output valid, some valid strings out of reach)"),
     "a maxLength more than 32 above minLength is enforced on the raw JSON text: an escape "
     "(\\n, \\u00XX) counts its 2 or 6 characters, so strings with escapes may end shorter "
     "than maxLength allows (never longer)",

@@ -10,6 +10,9 @@ import re
 
 from hypothesis import strategies as st
 
+from plait.grammar.formats import FORMAT_PATTERNS
+from plait.grammar.regex_syntax import length_range, parse
+
 # ----------------------------------------------------------------------------- regexes
 _LITERALS = ["a", "b", "z", "0", "7", " ", "-", ".", '"', "\\", "é", "\u00ff", "日", "/", ":"]
 _CLASSES = [
@@ -45,11 +48,12 @@ def regexes() -> st.SearchStrategy[str]:
 # ----------------------------------------------------------------------------- schemas
 _NAMES = ["a", "name", "b c", 'q"uote', "x-1", "é", "id", "tags", "back\\slash"]
 _TEXTS = ["", "x", 'say "hi"', "a\\b", "line\nbreak", "tab\t", "日本", "\u0001", "😀"]
-# (pattern, whether minLength/maxLength may be added: one variable-length part)
+# (pattern, whether minLength/maxLength may be added: it has a variable-length part; with
+# several, plait shares the lengths among them)
 _PATTERNS = [
     (r"^[a-z]+$", True), (r"^\d{3}-\d{2}$", False), (r"^[A-Z][a-z]*$", True),
-    (r'^"[^"]*"$', True), (r"^(?:yes|no)$", False), (r"^.{2,}$", True), (r"^\w+@\w+\.com$", False),
-    (r"^[^\\]*\\[nt]$", True), (r"^x(?:\.[0-9]{1,3})?$", False),
+    (r'^"[^"]*"$', True), (r"^(?:yes|no)$", False), (r"^.{2,}$", True), (r"^\w+@\w+\.com$", True),
+    (r"^[^\\]*\\[nt]$", True), (r"^x(?:\.[0-9]{1,3})?$", True), (r"^\d+\.\d+(?:-\w+)*$", True),
 ]
 _FORMATS = ["date", "time", "date-time", "uuid", "ipv4", "ipv6", "email", "hostname", "uri"]
 _SCALARS = (
@@ -66,15 +70,21 @@ def _string(draw) -> dict:
     kind = draw(st.sampled_from(["plain", "pattern", "format"]))
     schema: dict = {"type": "string"}
     lengths_ok = True
+    regex = None
     if kind == "pattern":
         schema["pattern"], lengths_ok = draw(st.sampled_from(_PATTERNS))
+        regex = schema["pattern"]
     elif kind == "format":
-        schema["format"], lengths_ok = draw(st.sampled_from(_FORMATS)), False
+        schema["format"] = draw(st.sampled_from(_FORMATS))
+        regex = FORMAT_PATTERNS[schema["format"]]
+        lengths_ok = len(set(length_range(parse(regex, "format")))) > 1
     if lengths_ok and draw(st.booleans()):
-        low = draw(st.integers(0, 3))
+        shortest = length_range(parse(regex, "pattern"))[0] if regex else 0
+        low = draw(st.integers(0, 3)) + (draw(st.sampled_from([0, shortest])) if regex else 0)
         schema["minLength"] = low
         if draw(st.booleans()):
-            schema["maxLength"] = draw(st.integers(max(low, 2), low + 6))
+            least = max(low, 2, shortest + 1)
+            schema["maxLength"] = draw(st.integers(least, least + 6))
     return schema
 
 

@@ -20,8 +20,10 @@ from plait.grammar.regex_syntax import (
     Node,
     Seq,
     choices_regex,
+    fold_length,
     json_key_regex,
     json_string_regex,
+    length_range,
     normalize_regex,
     parse,
 )
@@ -100,10 +102,42 @@ def test_class_escapes_mean_the_same_in_python_and_ecma():
 def test_lengths_fold_into_one_variable_part():
     assert json_string_regex(r"^ab[0-9]*c$", 5, 6) == "ab[0-9]{2,3}c"
     assert json_string_regex(r"^[a-z]+$", 0, 3) == "[a-z]{1,3}"
-    with pytest.raises(GrammarError, match="several variable-length parts"):
-        json_string_regex(r"^a+b+$", 0, 3)
     with pytest.raises(GrammarError, match="cannot be satisfied"):
         json_string_regex(r"^\d{4}$", 0, 3)
+    with pytest.raises(GrammarError, match="cannot be satisfied"):
+        json_string_regex(r"^(ab)+$", 3, 3)
+
+
+def test_lengths_are_shared_among_several_variable_parts():
+    """Several parts vary: each gets a share of the lengths (a subset of the strings of an
+    allowed length, never one outside them); the split is even where the parts have room."""
+    assert json_string_regex(r"^a+b+$", 0, 3) == "a{1,2}b{1}"
+    assert json_string_regex(r"^a+b+$", 5, 8) == "a{3,5}b{2,3}"
+    assert json_string_regex(r"^(?:x[0-9]+)*$", 10, 12) == "(?:x[0-9]{4,5}){2}"
+    assert json_string_regex(r"^[A-Z]{2}-[0-9]+-[a-z]+$", 0, 20) == "[A-Z]{2}\\-[0-9]{1,8}\\-[a-z]{1,8}"
+
+
+@pytest.mark.parametrize("fmt, low, high", [
+    ("email", 0, 100), ("email", 12, 40), ("uri", 0, 2048), ("uri", 20, 60),
+    ("date-time", 0, 30), ("hostname", 0, 20), ("ipv6", 0, 30),
+])
+def test_formats_with_lengths_stay_in_the_format_and_the_lengths(fmt, low, high):
+    """A format's regex has several variable parts: with minLength/maxLength every sampled
+    value still passes jsonschema's format checker and has an allowed length, and the lengths
+    reached span most of the range (the split leaves little of the budget unused)."""
+    from jsonschema import Draft202012Validator
+
+    checker = Draft202012Validator.FORMAT_CHECKER
+    lo, hi = length_range(fold_length(parse(FORMAT_PATTERNS[fmt], "regex"), low, high, "$"))
+    natural = length_range(parse(FORMAT_PATTERNS[fmt], "regex"))
+    least, most = max(low, natural[0]), min(high, natural[1] or high)
+    assert least <= lo <= least + 2 and 0.8 * most <= hi <= high, (lo, hi)
+    tree = parse(json_string_regex(FORMAT_PATTERNS[fmt], low, high), "regex")
+    rng = random.Random(0)
+    for _ in range(300):
+        value = json.loads(f'"{sample(tree, rng)}"')
+        assert checker.conforms(value, fmt), (fmt, value)
+        assert low <= len(value) <= high, (fmt, value)
 
 
 def test_choices_are_exact_and_escaped():
