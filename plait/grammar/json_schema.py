@@ -918,10 +918,11 @@ class _Normalizer:
         if native and step is None:
             return None
         first = out["minimum"] if step is None else -(-out["minimum"] // step) * step
-        span = range(first, out["maximum"] + 1, step or 1)
-        if len(span) > _SMALL_RANGE:  # len() of a range is O(1): never list a huge one
+        # counted, not len(range(...)): never list a huge range, and len() overflows past
+        # 2**63 values (a 64-bit range: OverflowError)
+        if (out["maximum"] - first) // (step or 1) + 1 > _SMALL_RANGE:
             return None
-        values = list(span)
+        values = list(range(first, out["maximum"] + 1, step or 1))
         if not values:
             raise _unsatisfiable("$", "no integer in range is a multiple of multipleOf")
         return {"const": values[0]} if len(values) == 1 else {"enum": values}
@@ -1257,11 +1258,19 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+# xgrammar bounds integers within 64 bits (a bound past them fails its compile): a bound
+# beyond is taken in to the 64-bit limit, a subset (`"maximum": 9223372036854776000`, 2**63 - 1
+# rounded by a JavaScript writer, allows every 64-bit integer from the minimum up)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
 def _integer_bounds(out: dict, lo, lo_open: bool, hi, hi_open: bool, path: str) -> None:
     if lo is not None:
-        out["minimum"] = math.floor(lo) + 1 if lo_open else math.ceil(lo)
+        out["minimum"] = max(math.floor(lo) + 1 if lo_open else math.ceil(lo), _INT64[0])
     if hi is not None:
-        out["maximum"] = math.ceil(hi) - 1 if hi_open else math.floor(hi)
+        out["maximum"] = min(math.ceil(hi) - 1 if hi_open else math.floor(hi), _INT64[1])
+    if out.get("minimum", 0) > _INT64[1] or out.get("maximum", 0) < _INT64[0]:
+        raise _error(f"integer bounds at {path} beyond 64 bits are not supported")
     if lo is not None and hi is not None and out["minimum"] > out["maximum"]:
         raise _unsatisfiable(path, "no integer lies within minimum..maximum")
 
