@@ -46,6 +46,7 @@ from plait.grammar.regex_syntax import (
     json_key_regex,
     json_string_regex,
     json_string_regex_not,
+    literal_of,
     strings_but,
     to_regex,
 )
@@ -931,7 +932,6 @@ class _Normalizer:
     def object(self, s: dict, path: str) -> Any:
         if any(k in s for k in DEPENDENCY_KEYWORDS):
             return self.dependent(s, path)
-        self.needs(s, OBJECT_KEYWORDS - {"minProperties", "maxProperties"}, path)
         additional = s.get("additionalProperties")
         unevaluated = s.get("unevaluatedProperties")
         if unevaluated is False and additional is None:
@@ -939,11 +939,29 @@ class _Normalizer:
         elif unevaluated not in (None, True, False):
             raise _error(f"keyword 'unevaluatedProperties' at {path} is not supported (only false)")
         patterns = s.get("patternProperties") or {}
-        if len(patterns) > 1 or (patterns and additional not in (None, False)):
+        literal = {p: literal_of(p) for p in patterns}
+        if any(name is not None for name in literal.values()):
+            # a pattern of one name (`^kafka_topic$`, as protobuf's JSON schemas write them)
+            # is that name declared, optional: properties() gives it the pattern's schema, and
+            # an additional key cannot take the name (nor, where additional keys are allowed,
+            # the name and a newline, which Python's `$` also lets the pattern match)
+            raw = dict(s.get("properties") or {})
+            for name in literal.values():
+                if name is not None:
+                    raw.setdefault(name, True)
+                    if additional not in (None, False):
+                        raw.setdefault(name + "\n", True)
+            s = {**s, "properties": raw}
+        rest = {p: sub for p, sub in patterns.items() if literal[p] is None}
+        self.needs({k: v for k, v in s.items() if k != "patternProperties" or rest},
+                   OBJECT_KEYWORDS - {"minProperties", "maxProperties"}, path)
+        if len(rest) > 1 or (rest and additional not in (None, False)):
             raise _error(f"keyword 'patternProperties' at {path} is not supported with several "
-                         "patterns or with additionalProperties")
+                         "patterns or with additionalProperties (unless each but one pattern "
+                         "is one name, `^name$`)")
         required = list(dict.fromkeys(s.get("required", [])))
         props = self.properties(s, required, additional, patterns, path)
+        patterns = rest
         out: dict = {"type": "object", "properties": props, "required": required}
         out["additionalProperties"] = (
             False if additional in (None, False) else self.node(additional, _at(path, "additionalProperties"))

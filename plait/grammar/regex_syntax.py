@@ -408,6 +408,25 @@ def normalize_regex(pattern: str, param: str = "regex") -> str:
     return to_regex(parse(pattern, param))
 
 
+def literal_of(pattern: str) -> str | None:
+    """The one string a pattern anchored at both ends matches (`^kafka_topic$`; Python's `$`
+    also lets that string end in a newline), or None for any other pattern."""
+    if not (pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")):
+        return None
+    try:
+        node = parse(pattern, "pattern")
+    except GrammarError:
+        return None
+    items = node.items if isinstance(node, Seq) else (node,)
+    text = []
+    for item in items:
+        if not (isinstance(item, Char) and len(item.chars) == 1
+                and item.chars[0][0] == item.chars[0][1]):
+            return None
+        text.append(chr(item.chars[0][0]))
+    return "".join(text)
+
+
 def choices_regex(options: list[str]) -> str:
     """Exactly one of the given strings."""
     return to_regex(Alt(tuple(literal(o) for o in options)))

@@ -44,6 +44,12 @@ PROBES: dict[str, dict] = {
     "format idn-email": s(format="idn-email"),
     "minimum": {"type": "integer", "minimum": 5},
     "int range": {"type": "integer", "minimum": -12, "maximum": 40},
+    "patternProperties of names": {"type": "object", "patternProperties": {
+        "^a$": {"type": "integer"}, "^b_c$": {"type": "string"}}, "required": ["a"]},
+    "patternProperties of names beside additional": {
+        "type": "object", "properties": {"a": {"minimum": 3}},
+        "patternProperties": {"^a$": {"type": "integer"}, "^b$": {"type": "boolean"}},
+        "additionalProperties": {"type": "string"}, "required": ["b"]},
     "int maximum past 64 bits": {"type": "integer", "minimum": 0,
                                  "maximum": 9223372036854776000},
     "int minimum past 64 bits": {"type": "integer", "minimum": 1e30},
@@ -194,6 +200,7 @@ REFUSED = {
     "minimum": OUTLINES,
     "exclusive": OUTLINES,
     "int maximum past 64 bits": OUTLINES,
+    "patternProperties of names beside additional": OUTLINES,
     "int minimum past 64 bits": BOTH,
     "draft4 exclusive": OUTLINES,
     "multipleOf": OUTLINES,
