@@ -41,12 +41,14 @@ import jsonschema.validators
 
 from plait.grammar.base import GrammarError
 from plait.grammar.formats import FORMAT_PATTERNS, SPEC_FORMATS
+from plait.grammar.regex_automata import includes
 from plait.grammar.regex_syntax import (
     VALID,
     json_key_regex,
     json_string_regex,
     json_string_regex_not,
     literal_of,
+    parse,
     strings_but,
     to_regex,
 )
@@ -869,9 +871,8 @@ class _Normalizer:
         pattern = s.get("pattern")
         fmt = s.get("format")
         if fmt in FORMAT_PATTERNS:
-            if pattern is not None:
-                raise _error(f"format together with pattern at {path} is not supported")
-            pattern = FORMAT_PATTERNS[fmt]
+            pattern = FORMAT_PATTERNS[fmt] if pattern is None else _format_and_pattern(
+                fmt, pattern, path)
         elif fmt in SPEC_FORMATS:
             raise _error(f"keyword 'format' ({fmt!r}) at {path} is not supported: plait enforces "
                          f"the formats {sorted(FORMAT_PATTERNS)}")
@@ -1280,6 +1281,21 @@ def _is_number(x: Any) -> bool:
 # beyond is taken in to the 64-bit limit, a subset (`"maximum": 9223372036854776000`, 2**63 - 1
 # rounded by a JavaScript writer, allows every 64-bit integer from the minimum up)
 _INT64 = (-(2**63), 2**63 - 1)
+
+
+def _format_and_pattern(fmt: str, pattern: str, path: str) -> str:
+    """The one regex for a string of a format that matches a pattern too: the format's where
+    every string of it matches the pattern (`date` and `^\\d{4}-\\d{2}-\\d{2}$`), the
+    pattern where every string it matches is of the format; else refused."""
+    format_tree, pattern_tree = parse(FORMAT_PATTERNS[fmt], "json_schema"), parse(
+        pattern, "json_schema")
+    if includes(pattern_tree, format_tree):
+        return FORMAT_PATTERNS[fmt]
+    if includes(format_tree, pattern_tree):
+        return pattern
+    raise _error(f"format {fmt!r} together with pattern {pattern!r} at {path} is not supported "
+                 "(plait enforces the two together where the strings of one all match the "
+                 "other)")
 
 
 def _integer_bounds(out: dict, lo, lo_open: bool, hi, hi_open: bool, path: str) -> None:
