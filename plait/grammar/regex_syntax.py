@@ -598,11 +598,8 @@ def _fold_repeat(node: Repeat, min_len: int, max_len: int | None, where: str) ->
             # repeats of one length, or whole repeats of any length as many as the shares
             # would give: only the count is limited (exact for repeats of one length)
             count_hi = max_len // b if node.hi is None else min(node.hi, max_len // b)
-        else:  # about as many repeats as each one's share is long, at most MAX_SHARED_REPEATS
-            guess = max(1, min(MAX_SHARED_REPEATS, math.isqrt(max_len // max(a, 1))))
-            count_hi = max(node.lo, guess if node.hi is None else min(node.hi, guess))
-            if a and count_hi * a > max_len:
-                count_hi = max_len // a
+        else:
+            count_hi = _repeat_count(node, a, b, max_len)
             if count_hi == 0:
                 if min_len:
                     raise _unsatisfiable(where)
@@ -620,6 +617,24 @@ def _fold_repeat(node: Repeat, min_len: int, max_len: int | None, where: str) ->
         if item_hi is not None and item_lo > item_hi:
             raise _unsatisfiable(where)
     return Repeat(_fold_part(node.item, item_lo, item_hi, where), count_lo, count_hi)
+
+
+def _repeat_count(node: Repeat, a: int, b: int | None, max_len: int) -> int:
+    """How many repeats, each up to max_len // count characters long: among the counts that
+    reach within 5% of the longest total, the one nearest about as many repeats as each
+    one's share is long (sqrt of the budget, at most MAX_SHARED_REPEATS)."""
+    least = max(node.lo, 1)
+    most = max_len // max(a, 1)
+    if node.hi is not None:
+        most = min(most, node.hi)
+    if most < least:
+        return node.lo if node.lo * a <= max_len else 0
+    reach = {c: c * (max_len // c if b is None else min(b, max_len // c))
+             for c in range(least, most + 1)}
+    best = max(reach.values())
+    guess = max(1, min(MAX_SHARED_REPEATS, math.isqrt(max_len // max(a, 1))))
+    return min((c for c, r in reach.items() if r * 20 >= best * 19),
+               key=lambda c: (abs(c - guess), c))
 
 
 def _fold_part(node: Node, low: int, high: int | None, where: str) -> Node:

@@ -119,7 +119,8 @@ def test_lengths_are_shared_among_several_variable_parts():
 
 @pytest.mark.parametrize("fmt, low, high", [
     ("email", 0, 100), ("email", 12, 40), ("uri", 0, 2048), ("uri", 20, 60),
-    ("date-time", 0, 30), ("hostname", 0, 20), ("ipv6", 0, 30),
+    ("date-time", 0, 30), ("hostname", 0, 20), ("ipv6", 0, 30), ("duration", 0, 12),
+    ("json-pointer", 3, 16), ("uri-reference", 0, 40),
 ])
 def test_formats_with_lengths_stay_in_the_format_and_the_lengths(fmt, low, high):
     """A format's regex has several variable parts: with minLength/maxLength every sampled
