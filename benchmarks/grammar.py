@@ -92,7 +92,8 @@ def extraction(model: str, backend: str, n: int = 32, repeats: int = 3) -> dict:
             valid = 0
             for r in finished:
                 try:
-                    jsonschema.validate(json.loads(r["text"]), schema)
+                    jsonschema.validate(json.loads(r["text"]), schema,
+                                        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
                     valid += 1
                 except Exception:  # noqa: BLE001 - counted as invalid
                     pass
@@ -326,7 +327,8 @@ def _dev_run(eng, max_tokens: int) -> dict:
             continue
         finished += 1
         try:
-            jsonschema.validate(json.loads(r["text"]), json.loads(spec))
+            jsonschema.validate(json.loads(r["text"]), json.loads(spec),
+                                format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
             valid += 1
         except Exception:  # noqa: BLE001 - a guarantee failure: reported by name
             invalid.append(path.name)

@@ -420,7 +420,8 @@ class JsonChecker:
         valid = 0
         for ids in outputs:
             try:
-                jsonschema.validate(json.loads(self.tokenizer.decode(ids)), json.loads(schema))
+                jsonschema.validate(json.loads(self.tokenizer.decode(ids)), json.loads(schema),
+                                    format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
                 valid += 1
             except Exception:
                 pass

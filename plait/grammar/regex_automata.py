@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from plait.grammar.regex_syntax import Alt, CharSet, Char, Node, Repeat, Seq
+from plait.grammar.regex_syntax import Alt, Char, CharSet, Node, Repeat, Seq
 
 MAX_STATES = 20_000
 MAX_PAIRS = 50_000
