@@ -91,10 +91,10 @@ class _Automaton:
                         | {p for ranges, _ in moves for lo, hi in ranges for p in (lo, hi + 1)})
         starts = [lo for lo, _ in cs]
         reached: dict[frozenset[int], None] = {}
-        for p, q in zip(points, points[1:]):
+        for p in points[:-1]:  # each part [p, next point) lies wholly in or out of every set
             k = bisect.bisect_right(starts, p) - 1
             if k < 0 or p > cs[k][1]:
-                continue  # [p, q) lies outside cs
+                continue  # outside cs
             targets = [t for ranges, t in moves if _member(ranges, p)]
             reached[self.closure(targets)] = None
         return reached
