@@ -218,6 +218,12 @@ class _Converter:
     def seq(self, items, left: bool, right: bool) -> Node:
         """`left`/`right`: whether this sequence starts/ends the whole match (anchors allowed)."""
         items = list(items)
+        if left:  # start anchors, then a negative look-ahead: `^(?!@@)[\w@]+$`
+            k = next((i for i, (op, av) in enumerate(items)
+                      if not (op is _c.AT and av in _START_ANCHORS)), len(items))
+            if k < len(items) and items[k][0] is _c.ASSERT_NOT and items[k][1][0] == 1:
+                rest = self.seq(items[k + 1:], True, right)
+                return self.not_starting(self.seq(items[k][1][1], False, False), rest)
         out: list[Node] = []
         for i, (op, av) in enumerate(items):
             node = self.item(op, av, left and i == 0, right and i == len(items) - 1)
@@ -247,6 +253,35 @@ class _Converter:
         if op is _c.AT:
             return self.anchor(av, left, right)
         raise self.refuse(_FEATURE_NAMES.get(op, f"the regex operator {op}"))
+
+    def not_starting(self, prefix: Node, rest: Node) -> Node:
+        """The strings of `rest` that do not start with `prefix`, for a prefix of single
+        characters (`@@`, `[0-9]`) and a rest that is one character set repeated: each
+        string either is shorter than the prefix and follows it all along, or first leaves it
+        at some position (the rest's characters, then anything of its set)."""
+        sets = [item.chars for item in (prefix.items if isinstance(prefix, Seq) else (prefix,))
+                if isinstance(item, Char)]
+        items = prefix.items if isinstance(prefix, Seq) else (prefix,)
+        if not (isinstance(rest, Repeat) and isinstance(rest.item, Char)) or len(sets) != len(
+                items) or not sets:
+            raise self.refuse("a negative look-ahead other than `^(?!<characters>)` before one "
+                              "character class repeated")
+        c, lo, hi = rest.item.chars, rest.lo, rest.hi
+        follow = [intersect(x, c) for x in sets]
+        options: list[Node] = []
+        for j, x in enumerate(sets):  # the first position where the string leaves the prefix
+            away = subtract(c, x)
+            if not away or (hi is not None and hi < j + 1) or not all(follow[:j]):
+                continue
+            tail_hi = None if hi is None else hi - j - 1
+            options.append(Seq((*[Char(f) for f in follow[:j]], Char(away),
+                                Repeat(Char(c), max(0, lo - j - 1), tail_hi))))
+        for n in range(lo, len(sets) if hi is None else min(hi + 1, len(sets))):
+            if all(follow[:n]):  # shorter than the prefix, following it
+                options.append(Seq(tuple(Char(f) for f in follow[:n])))
+        if not options:
+            raise self.refuse("a negative look-ahead that no string gets past")
+        return options[0] if len(options) == 1 else Alt(tuple(options))
 
     def anchor(self, code, left: bool, right: bool) -> Node:
         if (code in _START_ANCHORS and left) or (code in _END_ANCHORS and right):

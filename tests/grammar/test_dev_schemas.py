@@ -1,7 +1,7 @@
 """The 200 JSONSchemaBench dev schemas: each compiles or raises GrammarError (nothing else, no
 hang); accepted shares are checked against a floor so that a regression shows.
 
-Measured shares: xgrammar 192/200, outlines 138-140/200 (its compile time limit decides a few;
+Measured shares: xgrammar 193/200, outlines 138-140/200 (its compile time limit decides a few;
 the rest are refused by name: mostly `oneOf` with overlapping branches, `uniqueItems`,
 and on outlines the numeric bounds and patternProperties it does not enforce).
 """
@@ -46,7 +46,7 @@ def test_xgrammar_compiles_or_refuses_every_dev_schema(tokenizer, vocab_size, eo
     finally:
         manager.shutdown()
     accepted = sum(v == "ok" for v in outcome.values())
-    assert len(outcome) == 200 and accepted >= 192, (accepted, outcome)
+    assert len(outcome) == 200 and accepted >= 193, (accepted, outcome)
 
 
 def test_outlines_schema_stage_on_every_dev_schema():

@@ -4,6 +4,7 @@ mode yields valid JSON string contents, and unsupported features are refused by 
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -215,3 +216,25 @@ def test_printed_escapes_mean_the_same_character_to_each_backend(backends, token
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert all(matcher.accept_token(i) for i in ids) and matcher.can_terminate(), (
         normalize_regex(pattern))
+
+
+@pytest.mark.parametrize("pattern", [
+    r"^(?!@@)[\w@]+$", r"^(?![0-9])[a-z0-9]{2,5}$", r"^(?!-)[a-z-]*$", r"^(?!ab)[abc]{0,3}$",
+    r"\A(?!a[0-9])[a-c0-9]{1,}$",
+])
+def test_a_leading_negative_look_ahead_is_spelled_exactly(pattern):
+    """`^(?!prefix)` before one class repeated: the printed regex matches exactly the strings
+    the pattern matches (every string of up to 5 characters over a small alphabet)."""
+    printed = normalize_regex(pattern)
+    whole = pattern.replace("$", r"\Z")  # Python's $ also takes a final newline: not in the alphabet
+    for n in range(6):
+        for chars_ in itertools.product("ab@c0-9", repeat=n):
+            text = "".join(chars_)
+            assert bool(re.fullmatch(whole, text)) == bool(re.fullmatch(printed, text)), (
+                pattern, printed, text)
+
+
+@pytest.mark.parametrize("pattern", [r"^(?!a+)[ab]*$", r"^(?!a)(?:ab)*$", r"^x(?!a)[ab]*$"])
+def test_other_negative_look_aheads_are_refused(pattern):
+    with pytest.raises(GrammarError, match="look-ahead"):
+        normalize_regex(pattern)
