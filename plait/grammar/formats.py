@@ -42,6 +42,7 @@ _SEGMENT = r"[A-Za-z0-9._~!$&'()*+,;=:@-]"
 _QUERY = r"(?:\?[A-Za-z0-9._~!$&'()*+,;=:@/?-]*)?"
 _URI = (rf"https?://{_ANY_LABEL}(?:\.{_ANY_LABEL})*(?::[1-9][0-9]{{0,3}})?(?:/{_SEGMENT}*)*"
         rf"{_QUERY}")
+_EMAIL = rf"[A-Za-z0-9_%+-]+(?:\.[A-Za-z0-9_%+-]+)*@{_LABEL}(?:\.{_LABEL}){{1,2}}"
 _URI_REFERENCE = rf"(?:{_URI}|/(?:{_SEGMENT}+(?:/{_SEGMENT}*)*)?{_QUERY})"
 _POINTER = r"(?:/(?:[^~/]|~[01])*)*"
 _DUR_TIME = r"T(?:[0-9]+H(?:[0-9]+M(?:[0-9]+S)?)?|[0-9]+M(?:[0-9]+S)?|[0-9]+S)"
@@ -58,13 +59,17 @@ FORMAT_PATTERNS: dict[str, str] = {
     "ipv6": rf"{_HEX4}(?::{_HEX4}){{7}}",
     # at most 3 labels of <= 63 characters: well under the 253-character limit
     "hostname": rf"{_LABEL}(?:\.{_LABEL}){{0,2}}",
-    "email": rf"[A-Za-z0-9_%+-]+(?:\.[A-Za-z0-9_%+-]+)*@{_LABEL}(?:\.{_LABEL}){{1,2}}",
+    "email": _EMAIL,
     "uri": _URI,
     # an absolute uri, or a path from the root (RFC 3986 path-absolute) with its query
     "uri-reference": _URI_REFERENCE,
     # ASCII IRIs: every uri is an iri (RFC 3987)
     "iri": _URI,
     "iri-reference": _URI_REFERENCE,
+    # RFC 6570: a uri without expressions is a template of itself
+    "uri-template": _URI,
+    # ASCII addresses are internationalized ones (RFC 6531)
+    "idn-email": _EMAIL,
     # RFC 6901: "/"-separated tokens, `~` only as ~0 or ~1
     "json-pointer": _POINTER,
     # a non-negative integer, then `#` or a json-pointer; no digit after a 0 (jsonschema's

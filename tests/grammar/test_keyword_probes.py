@@ -47,6 +47,7 @@ PROBES: dict[str, dict] = {
     "format uri+lengths": s(format="uri", minLength=20, maxLength=40),
     "pattern of two parts+maxLength": s(pattern=r"^\d+\.\d+$", maxLength=5),
     "format idn-email": s(format="idn-email"),
+    "format idn-hostname": s(format="idn-hostname"),
     "minimum": {"type": "integer", "minimum": 5},
     "int range": {"type": "integer", "minimum": -12, "maximum": 40},
     "patternProperties of names": {"type": "object", "patternProperties": {
@@ -201,7 +202,7 @@ BOTH = set(BACKENDS)
 OUTLINES = {"outlines"}
 # probe -> backends that refuse it (a GrammarError naming the keyword or the combination)
 REFUSED = {
-    "format idn-email": BOTH,
+    "format idn-hostname": BOTH,
     "minimum": OUTLINES,
     "exclusive": OUTLINES,
     "int maximum past 64 bits": OUTLINES,
