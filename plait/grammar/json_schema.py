@@ -952,10 +952,11 @@ class _Normalizer:
                     raw.setdefault(name, True)
                     if additional not in (None, False):
                         raw.setdefault(name + "\n", True)
-            s = {**s, "properties": raw}
-        rest = {p: sub for p, sub in patterns.items() if literal[p] is None}
-        self.needs({k: v for k, v in s.items() if k != "patternProperties" or rest},
-                   OBJECT_KEYWORDS - {"minProperties", "maxProperties"}, path)
+            rest = {p: sub for p, sub in patterns.items() if literal[p] is None}
+            s = {**_without(s, "patternProperties"), "properties": raw,
+                 **({"patternProperties": rest} if rest else {})}
+        rest = s.get("patternProperties") or {}
+        self.needs(s, OBJECT_KEYWORDS - {"minProperties", "maxProperties"}, path)
         if len(rest) > 1 or (rest and additional not in (None, False)):
             raise _error(f"keyword 'patternProperties' at {path} is not supported with several "
                          "patterns or with additionalProperties (unless each but one pattern "
@@ -1277,12 +1278,6 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-# xgrammar bounds integers within 64 bits (a bound past them fails its compile): a bound
-# beyond is taken in to the 64-bit limit, a subset (`"maximum": 9223372036854776000`, 2**63 - 1
-# rounded by a JavaScript writer, allows every 64-bit integer from the minimum up)
-_INT64 = (-(2**63), 2**63 - 1)
-
-
 def _format_and_pattern(fmt: str, pattern: str, path: str) -> str:
     """The one regex for a string of a format that matches a pattern too: the format's where
     every string of it matches the pattern (`date` and `^\\d{4}-\\d{2}-\\d{2}$`), the
@@ -1296,6 +1291,12 @@ def _format_and_pattern(fmt: str, pattern: str, path: str) -> str:
     raise _error(f"format {fmt!r} together with pattern {pattern!r} at {path} is not supported "
                  "(plait enforces the two together where the strings of one all match the "
                  "other)")
+
+
+# xgrammar bounds integers within 64 bits (a bound past them fails its compile): a bound
+# beyond is taken in to the 64-bit limit, a subset (`"maximum": 9223372036854776000`, 2**63 - 1
+# rounded by a JavaScript writer, allows every 64-bit integer from the minimum up)
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def _integer_bounds(out: dict, lo, lo_open: bool, hi, hi_open: bool, path: str) -> None:

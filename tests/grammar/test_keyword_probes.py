@@ -52,6 +52,9 @@ PROBES: dict[str, dict] = {
     "int range": {"type": "integer", "minimum": -12, "maximum": 40},
     "patternProperties of names": {"type": "object", "patternProperties": {
         "^a$": {"type": "integer"}, "^b_c$": {"type": "string"}}, "required": ["a"]},
+    "patternProperties of names, minProperties": {"type": "object", "patternProperties": {
+        "^a$": {"type": "integer"}, "^b$": {"type": "string"}}, "additionalProperties": False,
+        "minProperties": 1},
     "patternProperties of names beside additional": {
         "type": "object", "properties": {"a": {"minimum": 3}},
         "patternProperties": {"^a$": {"type": "integer"}, "^b$": {"type": "boolean"}},
@@ -207,6 +210,7 @@ REFUSED = {
     "exclusive": OUTLINES,
     "int maximum past 64 bits": OUTLINES,
     "patternProperties of names beside additional": OUTLINES,
+    "patternProperties of names, minProperties": OUTLINES,
     "int minimum past 64 bits": BOTH,
     "format+crossing pattern": BOTH,
     "draft4 exclusive": OUTLINES,
