@@ -23,6 +23,7 @@ from plait.grammar.base import (
     Matcher,
 )
 from plait.grammar.bitmask import allow_only, copy_row, words_for
+from plait.grammar.formats import FORMAT_PATTERNS
 from plait.grammar.json_schema import (
     ANNOTATION_KEYWORDS,
     CORE_KEYWORDS,
@@ -189,6 +190,7 @@ class OutlinesBackend(GrammarBackend):
                 "supported_keywords": sorted(POLICY.supported),
                 "refused_keywords": POLICY.refused(),
                 "ignored_keywords": sorted(ANNOTATION_KEYWORDS),
+                "formats": sorted(FORMAT_PATTERNS),
                 "notes": [
                     "recursive $ref unrolls 3 levels (a subset)",
                     "json_object nests objects/arrays two levels (a subset)",

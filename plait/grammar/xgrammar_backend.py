@@ -21,6 +21,7 @@ from plait.grammar.base import (
     Matcher,
 )
 from plait.grammar.bitmask import allow_only, copy_row
+from plait.grammar.formats import FORMAT_PATTERNS
 from plait.grammar.json_schema import (
     ANNOTATION_KEYWORDS,
     CORE_KEYWORDS,
@@ -156,6 +157,7 @@ class XGrammarBackend(GrammarBackend):
                 "supported_keywords": sorted(POLICY.supported),
                 "refused_keywords": POLICY.refused(),
                 "ignored_keywords": sorted(ANNOTATION_KEYWORDS),
+                "formats": sorted(FORMAT_PATTERNS),
                 "notes": _SCHEMA_NOTES,
             },
             "regex": _REGEX_NOTES,

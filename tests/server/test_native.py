@@ -266,6 +266,7 @@ def test_server_info(http, server):
     assert "ebnf" in grammar["xgrammar"]["kinds"] and "ebnf" not in grammar["outlines"]["kinds"]
     assert "contains" in grammar["xgrammar"]["json_schema"]["refused_keywords"]
     assert "if" in grammar["xgrammar"]["json_schema"]["supported_keywords"]
+    assert {"date-time", "email", "uri", "duration"} <= set(grammar["outlines"]["json_schema"]["formats"])
 
 
 def test_flush_cache(http):
