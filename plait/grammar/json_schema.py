@@ -941,7 +941,8 @@ class _Normalizer:
             raise _error(f"keyword 'unevaluatedProperties' at {path} is not supported (only false)")
         patterns = s.get("patternProperties") or {}
         literal = {p: literal_of(p) for p in patterns}
-        if any(name is not None for name in literal.values()):
+        rest = {p: sub for p, sub in patterns.items() if literal[p] is None}
+        if len(rest) < len(patterns):
             # a pattern of one name (`^kafka_topic$`, as protobuf's JSON schemas write them)
             # is that name declared, optional: properties() gives it the pattern's schema, and
             # an additional key cannot take the name (nor, where additional keys are allowed,
@@ -952,10 +953,8 @@ class _Normalizer:
                     raw.setdefault(name, True)
                     if additional not in (None, False):
                         raw.setdefault(name + "\n", True)
-            rest = {p: sub for p, sub in patterns.items() if literal[p] is None}
             s = {**_without(s, "patternProperties"), "properties": raw,
                  **({"patternProperties": rest} if rest else {})}
-        rest = s.get("patternProperties") or {}
         self.needs(s, OBJECT_KEYWORDS - {"minProperties", "maxProperties"}, path)
         if len(rest) > 1 or (rest and additional not in (None, False)):
             raise _error(f"keyword 'patternProperties' at {path} is not supported with several "

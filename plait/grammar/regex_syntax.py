@@ -259,13 +259,12 @@ class _Converter:
         characters (`@@`, `[0-9]`) and a rest that is one character set repeated: each
         string either is shorter than the prefix and follows it all along, or first leaves it
         at some position (the rest's characters, then anything of its set)."""
-        sets = [item.chars for item in (prefix.items if isinstance(prefix, Seq) else (prefix,))
-                if isinstance(item, Char)]
         items = prefix.items if isinstance(prefix, Seq) else (prefix,)
-        if not (isinstance(rest, Repeat) and isinstance(rest.item, Char)) or len(sets) != len(
-                items) or not sets:
+        if not (items and all(isinstance(item, Char) for item in items)
+                and isinstance(rest, Repeat) and isinstance(rest.item, Char)):
             raise self.refuse("a negative look-ahead other than `^(?!<characters>)` before one "
                               "character class repeated")
+        sets = [item.chars for item in items]  # type: ignore[union-attr]
         c, lo, hi = rest.item.chars, rest.lo, rest.hi
         follow = [intersect(x, c) for x in sets]
         options: list[Node] = []
