@@ -203,21 +203,35 @@ class Engine:
             box.append(self._loop.create_task(coro))
             box[0].add_done_callback(lambda _: done.set())
 
-        with self._lock:
-            if self._closed:
+        def cancel() -> None:  # callbacks run in order: start() has run if it was queued
+            if box:
+                box[0].cancel()
+            else:
                 coro.close()
-                raise RequestError(None, SHUT_DOWN, 503)
-            self._loop.call_soon_threadsafe(start)
-        try:
-            if not done.wait(timeout):
-                raise TimeoutError(f"plait.Engine: no answer within {timeout} s")
-        except BaseException:
-            try:  # callbacks run in order: start() has run when this one does
-                self._loop.call_soon_threadsafe(lambda: box[0].cancel())
+                done.set()
+
+        def stop() -> None:
+            try:
+                self._loop.call_soon_threadsafe(cancel)
             except RuntimeError:  # the loop is closed: shut down meanwhile, nothing runs
                 pass
             else:
                 done.wait(CANCEL_WAIT_S)
+
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RequestError(None, SHUT_DOWN, 503)
+            try:
+                self._loop.call_soon_threadsafe(start)
+            except BaseException:  # a Ctrl-C inside the call may come after start() is queued
+                stop()
+                raise
+        try:
+            if not done.wait(timeout):
+                raise TimeoutError(f"plait.Engine: no answer within {timeout} s")
+        except BaseException:
+            stop()
             raise
         if box[0].cancelled() and self._closed:
             raise RequestError(None, SHUT_DOWN, 503)
