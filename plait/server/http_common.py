@@ -381,6 +381,29 @@ async def run_streams(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def each_last_once(
+    first: tuple[int, ReqState],
+    rest: AsyncIterator[tuple[int, ReqState]],
+    on_last: Callable[[ReqState], None],
+) -> AsyncIterator[tuple[int, ReqState]]:
+    """`first` then `rest`, up to each request's last state (on_last called with it), once.
+    A state is one object that moves on while a stream is written: an item queued before its
+    request finished reads as finished when it is taken (`first` most often, taken before
+    the 200 went out), and the items queued after it are that same last state again."""
+    item, done = first, set()
+    while True:
+        i, state = item
+        if i not in done:
+            if state.finished_reason is not None:
+                done.add(i)
+                on_last(state)
+            yield item
+        try:
+            item = await rest.__anext__()
+        except StopAsyncIteration:
+            return
+
+
 async def run_all(tm: TokenizerManager, reqs: list[ReqInput]) -> list[ReqState]:
     """Every request's final state, in input order."""
     states: list[ReqState | None] = [None] * len(reqs)
@@ -417,9 +440,9 @@ async def sse_response(
 ) -> Response:
     """A streamed answer: admit `reqs`, wait for their first output (an error up to it is
     raised, through map_error, so that it gets its own status), then send the bodies
-    `render(outputs)` makes as SSE events and `[DONE]`. `outputs` yields every (index, state)
-    update and counts each finished request in the metrics; an error later is sent as an
-    error event. The admission ticket is held until the stream ends."""
+    `render(outputs)` makes as SSE events and `[DONE]`. `outputs` yields the (index, state)
+    updates, each request's last state once (each_last_once), counted in the metrics; an
+    error later is sent as an error event. The admission ticket is held until the stream ends."""
     with admit(request, reqs) as ticket:
         try:
             first, rest = await first_then_rest(
@@ -429,20 +452,9 @@ async def sse_response(
             raise (map_error(e) if map_error else e) from None
         metrics = request.app.state.metrics
 
-        async def outputs() -> AsyncIterator[tuple[int, ReqState]]:
-            item = first
-            while True:
-                if item[1].finished_reason is not None:
-                    metrics.observe_stream(item[1])
-                yield item
-                try:
-                    item = await rest.__anext__()
-                except StopAsyncIteration:
-                    return
-
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for body in render(outputs()):
+                async for body in render(each_last_once(first, rest, metrics.observe_stream)):
                     yield sse(body)
             except Exception as e:
                 if map_error is not None and isinstance(e, RequestError):

@@ -219,3 +219,27 @@ def test_generate_errors_name_the_field(body, param):
     with pytest.raises(RequestError) as e:
         parse_generate(body)
     assert e.value.status == 400 and e.value.param == param
+
+
+async def test_a_stream_sends_each_requests_last_state_once():
+    """The frontend's state of a request is one object that moves on while a stream is
+    written: items queued before it finished read as finished when taken (the stream's first
+    item most often, taken before the 200 went out). Each request's last state goes out (and
+    is counted) once: an OpenAI stream ended with two finish_reason chunks before."""
+    from plait.io_struct import ReqState
+    from plait.server.http_common import each_last_once
+
+    a, b = ReqState("a", 3), ReqState("b", 3)
+
+    async def rest():
+        yield 0, a  # queued while "a" ran; it has finished since
+        yield 1, b
+        b.text, b.finished_reason = "yes", {"type": "stop"}
+        yield 1, b
+        yield 0, a
+
+    a.text, a.finished_reason = "hi", {"type": "length"}  # before the stream reads its first
+    lasts = []
+    got = [(i, s.rid) async for i, s in each_last_once((0, a), rest(), lasts.append)]
+    assert got == [(0, "a"), (1, "b"), (1, "b")]
+    assert lasts == [a, b]
