@@ -118,19 +118,29 @@ class Engine:
 
     def _stream(self, inp: ReqInput) -> Iterator[dict]:
         agen = self.tokenizer_manager.generate(inp)
-        sent_text, sent_ids = 0, 0
+        sent = [0, 0]  # text, output ids
+
+        async def next_chunk() -> dict | None:
+            # read on the loop's thread: the state moves on there as output arrives, and a
+            # chunk cut from it elsewhere could drop what came between two reads
+            try:
+                state = await agen.__anext__()
+            except StopAsyncIteration:
+                return None
+            chunk = format_output(state, inp.return_logprob)
+            chunk["text"] = state.text[sent[0]:]
+            chunk["output_ids"] = state.output_ids[sent[1]:]
+            sent[:] = len(state.text), len(state.output_ids)
+            return chunk
+
         try:
             while True:
                 try:
-                    state = self._call(agen.__anext__())
-                except StopAsyncIteration:
-                    return
+                    chunk = self._call(next_chunk())
                 except RequestError as e:
                     raise _engine_error(e) from None
-                chunk = format_output(state, inp.return_logprob)
-                chunk["text"] = state.text[sent_text:]
-                chunk["output_ids"] = state.output_ids[sent_ids:]
-                sent_text, sent_ids = len(state.text), len(state.output_ids)
+                if chunk is None:
+                    return
                 yield chunk
         finally:
             if not self._closed:
