@@ -18,7 +18,6 @@ import argparse
 import json
 import random
 import statistics
-import time
 from pathlib import Path
 
 from benchmarks import workloads as wl
