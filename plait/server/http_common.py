@@ -350,9 +350,11 @@ async def prepare_all(tm: TokenizerManager, reqs: list[ReqInput]) -> list[list[i
 async def run_streams(
     tm: TokenizerManager, reqs: list[ReqInput]
 ) -> AsyncIterator[tuple[int, ReqState]]:
-    """Runs the requests concurrently; yields (index, state) as output arrives, each
-    request's last state (finished_reason set) exactly once. The first error is raised and
-    every other request aborted; closing the iterator early aborts the unfinished ones."""
+    """Runs the requests concurrently; yields (index, state) as output arrives, nothing of a
+    request after an item that was finished when yielded. A state moves on after it is
+    yielded: a consumer that holds an item across awaits reads each request's last state once
+    through each_last_once. The first error is raised and every other request aborted;
+    closing the iterator early aborts the unfinished ones."""
     queue: asyncio.Queue = asyncio.Queue()
     prompts = await prepare_all(tm, reqs)
 
