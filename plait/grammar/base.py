@@ -37,6 +37,16 @@ class Matcher(ABC):
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the token is not allowed."""
 
+    def accept_prefix(self, tokens: list[int]) -> int:
+        """Advance by `tokens` up to the first one not allowed; how many were taken (they stay
+        taken). The closing planner checks a whole plan after each sampled token."""
+        n = 0
+        for tok in tokens:
+            if not self.accept_token(tok):
+                break
+            n += 1
+        return n
+
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-next-token mask into bitmask[row], overwriting the whole row (EOS

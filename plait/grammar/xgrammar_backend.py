@@ -251,6 +251,18 @@ class XGrammarMatcher(Matcher):
         self._num_accepted += 1
         return True
 
+    def accept_prefix(self, tokens: list[int]) -> int:
+        # the C++ matcher's own call, without two Python layers a token (the closing planner
+        # checks a plan of ~10 tokens after every sampled token of a short budget); it refuses
+        # an out-of-range id and anything once terminated, as accept_token does
+        accept, n = self._m._handle.accept_token, 0
+        for tok in tokens:
+            if not accept(tok, False):
+                break
+            n += 1
+        self._num_accepted += n
+        return n
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._m.is_terminated():  # only EOS again: never leave a row with nothing allowed
             allow_only(bitmask, row, self._grammar.eos_token_ids)
