@@ -58,7 +58,7 @@ class InProcess:
     def _time_grammar(self) -> None:
         """Time the constraint tracker's per-step work (called from inside `sample`)."""
         c, timer = self.sched.constraints, self.sched.timer
-        for name in ("bitmask", "accept", "jump_forward", "closing"):
+        for name in ("bitmask", "accept", "jump_forward", "admit", "plan_closing", "valid_prefix"):
             fn = getattr(c, name, None)
             if fn is None:
                 continue

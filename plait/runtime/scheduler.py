@@ -282,6 +282,8 @@ class Scheduler:
             self.io.send(FlushCacheOut(False, "requests are running"))
             return
         ok = self.kv.flush()
+        if ok:
+            self.constraints.flush()  # (its closing plans: what past requests left, too)
         self.io.send(FlushCacheOut(ok, "" if ok else "cache is locked"))
 
     def handle_stats(self, msg: GetStatsReq) -> None:

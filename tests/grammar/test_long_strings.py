@@ -279,3 +279,71 @@ def test_bounded_strings_share_one_ladder_of_rules(backends, tokenizer):
     assert not accepts(xg, two, '{"a": "abcdef", "b": "xy"}', tokenizer)
     assert not accepts(xg, two, '{"a": "", "b": "x"}', tokenizer)
     assert accepts(xg, two, '{"a": "", "b": "x\\n"}', tokenizer)
+
+
+def _req_at(backends, tokenizer, spec: str, prefix: str, budget: int):
+    """A Req under JSON schema `spec` whose output so far is `prefix` (its matcher there)."""
+    from plait.runtime.core import Req
+    from plait.sampling import SamplingParams
+
+    m = backends["xgrammar"].compile("json_schema", spec).matcher()
+    ids = tokenizer.encode(prefix, add_special_tokens=False)
+    assert m.accept_prefix(ids) == len(ids)
+    req = Req("r", [1], SamplingParams(max_new_tokens=budget, json_schema=spec),
+              output_ids=list(ids))
+    req.grammar = m
+    return req
+
+
+def test_a_closing_plan_is_searched_once_per_constraint_and_output(backends, tokenizer, eos_ids):
+    """Requests under one schema start from the same states (the first token, forced keys):
+    a plan searched from one request's output is reused for another request at the same output
+    (its matcher untouched), and only there: another output, another schema or a flush
+    searches again. Each plan is the one a fresh tracker finds."""
+    spec = json.dumps(signup_schema(64))
+    other = json.dumps(signup_schema(16))
+    tracker = ConstraintTracker(None, tokenizer, 8256, tuple(eos_ids))
+    first = _req_at(backends, tokenizer, spec, '{"first_name": "Ann', 200)
+    plan = tracker._plan_after(first, 150, True)
+    assert plan
+    for prefix, schema, searched in [('{"first_name": "Ann', spec, False),
+                                     ('{"first_name": "Bo', spec, True),
+                                     ('{"first_name": "Ann', other, True)]:
+        req = _req_at(backends, tokenizer, schema, prefix, 200)
+        counting = CountingMatcher(req.grammar)
+        req.grammar = counting
+        got = tracker._plan_after(req, 150, True)
+        assert (counting.calls > 0) == searched, (prefix, schema == spec)
+        req.grammar = counting.inner
+        fresh = ConstraintTracker(None, tokenizer, 8256, tuple(eos_ids))
+        assert got == fresh._plan_after(req, 150, True)
+    tracker.flush()
+    req = _req_at(backends, tokenizer, spec, '{"first_name": "Ann', 200)
+    req.grammar = counting = CountingMatcher(req.grammar)
+    assert tracker._plan_after(req, 150, True) == plan and counting.calls > 0
+
+
+def test_a_search_for_a_shorter_closing_than_one_that_still_ends_the_output_is_bounded(
+        backends, tokenizer, eos_ids):
+    """A digit of an integer leaves the closing as it was; where that closing no longer fits
+    after it, admit() looks for a shorter one with CLOSE_SHORTER_NODES, not the full search
+    budget (a failing search spent all of it: 2 ms a request on plait-tiny's JSON workload),
+    then puts the closing in the digit's place."""
+    spec = json.dumps({"type": "object", "properties": {
+        "age": {"type": "integer"}, "name": {"type": "string"}, "city": {"type": "string"}},
+        "required": ["age", "name", "city"], "additionalProperties": False})
+    req = _req_at(backends, tokenizer, spec, '{"age": 12', 64)
+    tracker = ConstraintTracker(None, tokenizer, 8256, tuple(eos_ids))
+    closing = tracker._plan_after(req, 60, True)
+    assert closing and len(closing) > 3
+    # as many tokens left as the closing and EOS take: one more digit leaves no room
+    n = len(req.output_ids)
+    req.sampling.max_new_tokens = n + len(closing) + 1
+    req.closing_plan = constraints.ClosingPlan(len(closing) + 1, tuple(closing), n)
+    assert tracker.current_plan(req) == closing
+    digit = tokenizer.encode("3", add_special_tokens=False)[0]
+    req.grammar = counting = CountingMatcher(req.grammar)
+    out = tracker.admit(req, digit)
+    assert out == closing + [out[-1]] and out[-1] in eos_ids
+    bound = max(6, round(1 / constraints.CLOSE_REFUSED_COST)) * constraints.CLOSE_SHORTER_NODES
+    assert counting.calls <= bound + 50, counting.calls  # (+ admit's own checks)
