@@ -94,6 +94,9 @@ class Scheduler:
         self._tokenizer_to_start = (
             tokenizer.start if isinstance(tokenizer, DeferredTokenizer) else None
         )
+        # the grammar backend is built in the background once the loop first idles too
+        # (ConstraintTracker.prepare_in_background), unless --lazy-grammar-backend
+        self._grammar_to_prepare = not args.lazy_grammar_backend
         self._idle_since: float | None = None
         self.outputs = OutputCollector(args.stream_interval)
         self.ratio = policy.NewTokenRatio()
@@ -143,22 +146,28 @@ class Scheduler:
             self.fail_all(RequestFailed(f"internal error: {type(e).__name__}: {e}", 500))
             self._flush_outputs()
 
-    def _start_tokenizer_when_idle(self, idle: bool) -> None:
+    def _start_when_idle(self, idle: bool) -> None:
+        """Once the loop has idled TOKENIZER_IDLE_S: load the DeferredTokenizer, then prepare
+        the grammar backend (both on background threads)."""
         now = time.monotonic()
         if not idle:
             self._idle_since = None
         elif self._idle_since is None:
             self._idle_since = now
         elif now - self._idle_since >= TOKENIZER_IDLE_S:
-            self._tokenizer_to_start()
-            self._tokenizer_to_start = None
+            if self._tokenizer_to_start is not None:
+                self._tokenizer_to_start()
+                self._tokenizer_to_start = None
+            if self._grammar_to_prepare:
+                self.constraints.prepare_in_background()
+                self._grammar_to_prepare = False
 
     def step(self, idle_wait_s: float = 0.0) -> bool:
         """One iteration; returns True if a forward ran."""
         with self.timer("io"):
             idle = not self.has_work and not self.constraints.pending
-            if self._tokenizer_to_start is not None:
-                self._start_tokenizer_when_idle(idle)
+            if self._tokenizer_to_start is not None or self._grammar_to_prepare:
+                self._start_when_idle(idle)
             if idle:
                 wait = idle_wait_s
             else:  # only compiles in flight: wait on the socket, not in a Python spin
