@@ -155,7 +155,7 @@ class ConstraintTracker:
         try:
             self.manager.backend  # noqa: B018 - waits for the backend's vocabulary tables
             self._spelling()
-        except Exception:  # noqa: BLE001 - the first constrained request builds it (or fails)
+        except Exception:  # the first constrained request builds it again (or fails)
             logger.warning("preparing the grammar backend failed", exc_info=True)
 
     def _make_manager(self):
