@@ -253,13 +253,19 @@ class XGrammarMatcher(Matcher):
 
     def accept_prefix(self, tokens: list[int]) -> int:
         # the C++ matcher's own call, without two Python layers a token (the closing planner
-        # checks a plan of ~10 tokens after every sampled token of a short budget); it refuses
-        # an out-of-range id and anything once terminated, as accept_token does
-        accept, n = self._m._handle.accept_token, 0
+        # checks a plan of ~10 tokens after every sampled token of a short budget). It would
+        # refuse an id out of range, and anything once terminated (by a stop token), with a
+        # logged warning each: those are refused here, as accept_token does
+        if self._m.is_terminated():
+            return 0
+        accept, stops, n = self._m._handle.accept_token, self._grammar.eos_token_ids, 0
+        vocab = self._grammar.vocab_size
         for tok in tokens:
-            if not accept(tok, False):
+            if not 0 <= tok < vocab or not accept(tok, False):
                 break
             n += 1
+            if tok in stops and self._m.is_terminated():
+                break
         self._num_accepted += n
         return n
 

@@ -119,6 +119,36 @@ def test_rollback_restores_state(backends, tokenizer, vocab_size, eos_ids, name)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
+def test_accept_prefix_takes_what_accept_token_takes(backends, tokenizer, vocab_size, eos_ids,
+                                                     name):
+    """accept_prefix (the closing planner's call; xgrammar's goes to the C++ matcher directly)
+    takes the tokens one accept_token at a time would, up to the first refused: a refused
+    token, an id out of range, anything after a stop token. Its tokens roll back one by one."""
+    text = '{"name": "Al", "age": 4}' if name == "xgrammar" else '{"name":"Al","age":4}'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bad = tokenizer.encode("x", add_special_tokens=False)[0]
+    for tokens in ([], ids, ids[:3] + [bad] + ids[3:], ids[:2] + [vocab_size + 5],
+                   ids + [eos_ids[0], ids[0]], ids + [eos_ids[0]]):
+        one = compile_(backends, name, "json_schema", PERSON).matcher()
+        expected = 0
+        for tok in tokens:
+            if not one.accept_token(tok):
+                break
+            expected += 1
+        many = compile_(backends, name, "json_schema", PERSON).matcher()
+        assert many.accept_prefix(tokens) == expected, tokens
+        assert (many.is_terminated(), many.can_terminate()) == (one.is_terminated(),
+                                                                one.can_terminate())
+        assert torch.equal(allowed_ids(many, vocab_size), allowed_ids(one, vocab_size))
+        many.rollback(expected)
+        with pytest.raises(ValueError):
+            many.rollback(1)
+    terminated = compile_(backends, name, "json_schema", PERSON).matcher()
+    assert terminated.accept_prefix(ids + [eos_ids[0]]) == len(ids) + 1
+    assert terminated.accept_prefix(ids[:1]) == 0
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 def test_rejected_token_leaves_state_unchanged(backends, tokenizer, vocab_size, name):
     matcher = compile_(backends, name, "regex", "[0-9]+").matcher()
     accept_text(matcher, tokenizer, "1")
