@@ -94,12 +94,6 @@ def _accepts(m, token: int) -> bool:
     return False
 
 
-def _accept_prefix(m, tokens: list[int]) -> int:
-    """Feed `tokens` to matcher m up to the first it rejects; how many it accepted (they stay
-    accepted)."""
-    return m.accept_prefix(tokens)
-
-
 def _prefix_successor(prefix: bytes) -> bytes | None:
     """The least byte string greater than every string that starts with `prefix`: its last
     byte below 0xff incremented, what follows it dropped; None when there is none (the
@@ -233,7 +227,7 @@ class ConstraintTracker:
     def valid_prefix(self, req: Req, tokens: list[int]) -> int:
         """How many leading `tokens` req's grammar accepts from its current state (which is
         left unchanged)."""
-        n = _accept_prefix(req.grammar, tokens)
+        n = req.grammar.accept_prefix(tokens)
         req.grammar.rollback(n)
         return n
 
@@ -263,7 +257,7 @@ class ConstraintTracker:
         if not text:
             return []
         ids = self._encode_forced(text)[:limit]
-        accepted = _accept_prefix(m, ids)
+        accepted = m.accept_prefix(ids)
         ids = ids[:accepted]
         held, rolled = self._held_back(m, ids)
         if accepted - rolled:
@@ -437,7 +431,7 @@ class ConstraintTracker:
     @staticmethod
     def _completes(m, plan: list[int]) -> bool:
         """Whether matcher m takes `plan` to a state that can end (m left unchanged)."""
-        n = _accept_prefix(m, plan)
+        n = m.accept_prefix(plan)
         try:
             return n == len(plan) and m.can_terminate()
         finally:
