@@ -2,6 +2,7 @@
 from the scheduler's own timers (StepTimer: forward, sample, schedule, grammar, io).
 
     python -m benchmarks.profile_steps [--model DIR] [--quick]
+    python -m benchmarks.profile_steps --model smollm2 --stream-prefetch-ab 1,2,3
 
 Cases (the timer is reset once a case's batch is in place, so only its steps count):
   decode            32 requests x 128 prompt tokens, decoding together (batch 32)
@@ -18,6 +19,11 @@ Cases (the timer is reset once a case's batch is in place, so only its steps cou
 
 The first three drive plait.runtime.scheduler.Scheduler in this process through InProcessIO,
 which isolates the steps from IPC.
+
+`--stream-prefetch-ab 1,2,3`: instead, the fp32 linears' single-tile stream prefetch
+(woq_cpu.cpp's g_single_tile_stream) switched on and off every 8 decode steps of one in-process
+scheduler at each batch (in one process, so that this VM's memory bandwidth, which moves 1.7x
+within the hour, moves under both alike); the median step of each.
 """
 
 from __future__ import annotations
@@ -237,6 +243,49 @@ def profile_engine(model: str, quick: bool) -> dict:
     return {f"Engine decode ({n} x {plen} -> {out}, multi-process)": case}
 
 
+def stream_prefetch_ab(model: str, batches: list[int], blocks: int = 40, steps: int = 8,
+                       context: int = 256) -> dict:
+    """The fp32 linears' single-tile stream prefetch (woq_cpu.cpp's g_single_tile_stream, 1-3
+    rows) on and off in one in-process scheduler: B requests decoding, the setting switched
+    every `steps` decode steps (after one settling step), `blocks` blocks in all; the median
+    seconds a step of each, and on / off (> 1: off is faster)."""
+    import statistics
+
+    from plait.kernels import woq
+
+    out = {}
+    for b in batches:
+        ip = InProcess(model, max_total_tokens=max(8192, 2 * b * (context + 2000)))
+        woq.start_linear_kernels(block=True)
+        ops = woq.linear_ops()
+        default = ops.set_fp32_stream_prefetch(True)
+        vocab = ip.vocab
+        ip.submit(_prompts(b, context, vocab, 7), {
+            "max_new_tokens": 2 + blocks * (steps + 1) + 32, "temperature": 0.0,
+            "ignore_eos": True})
+        ip.step_until(lambda b=b: ip.all_running(b))
+        for _ in range(16):
+            ip.sched.step()
+        per = {True: [], False: []}
+        try:
+            for blk in range(blocks):
+                on = blk % 2 == 0
+                ops.set_fp32_stream_prefetch(on)
+                ip.sched.step()
+                t = time.perf_counter()
+                for _ in range(steps):
+                    ip.sched.step()
+                per[on].append((time.perf_counter() - t) / steps)
+        finally:
+            ops.set_fp32_stream_prefetch(default)
+        on, off = statistics.median(per[True]), statistics.median(per[False])
+        out[b] = {"on_s": on, "off_s": off, "on_over_off": on / off, "default": default}
+        print(f"batch {b}: stream prefetch on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms a step "
+              f"(on/off {on / off:.3f}x; default {'on' if default else 'off'})", flush=True)
+        del ip
+    return out
+
+
 def run(model: str, quick: bool = False) -> dict:
     import torch
 
@@ -284,10 +333,20 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None, help="checkpoint dir (default: plait-tiny)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON here")
+    ap.add_argument("--stream-prefetch-ab", default=None, metavar="BATCHES",
+                    help="instead: decode steps at these batches (e.g. 1,2,3) with the fp32 "
+                         "linears' single-tile stream prefetch on and off, alternated")
     args = ap.parse_args(argv)
 
     from plait.models.resolve import resolve_model_path
 
+    if args.stream_prefetch_ab:
+        res = stream_prefetch_ab(resolve_model_path(args.model or "plait-tiny"),
+                                 [int(b) for b in args.stream_prefetch_ab.split(",")])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     prof = run(resolve_model_path(args.model or "plait-tiny"), args.quick)
     if args.out:
         with open(args.out, "w") as f:

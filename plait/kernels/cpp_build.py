@@ -65,7 +65,9 @@ def prefetch_flags() -> list[str]:
     go to L2 (prefetcht1) at every row count. On the Intel Xeon VM (~12 GB/s from memory a
     core): SmolLM2's linears 1.09-1.13x at 4-12 rows (1 row even, 32 rows ~1.03x). Without it
     (AMD) the AVX-512 build's go to L2 below 24 rows and to L1 from there on (woq_cpu.cpp's
-    kL1FromRows, as measured on the Zen 4 EPYC VM), the AVX2 build's to L1. (Decode attention
+    kL1FromRows, as measured on the Zen 4 EPYC VM), and its 1-3-row tiles do not prefetch their
+    weight stream at all (g_single_tile_stream: the hardware prefetchers alone were 1.01-1.33x
+    faster there); the AVX2 build's go to L1. (Decode attention
     prefetches into L2 on every CPU, without this flag: attn_cpu.cpp's header.)"""
     try:
         info = Path("/proc/cpuinfo").read_text()

@@ -300,6 +300,23 @@ constexpr auto kStreamHint = _MM_HINT_T0;
 constexpr auto kSmallStreamHint = _MM_HINT_T0;
 #endif
 
+// Whether a single row tile (1-3 rows with AVX-512, the pair blocks from 4; 1-6 with AVX2:
+// panel_rows_fp32) prefetches
+// its own weight stream kPrefetchFloats ahead in software (set_fp32_stream_prefetch changes it).
+// On the Intel VMs it did (batch-1 linears 8.7 -> 6.9 ms, above). On the Zen 4 EPYC VM, with
+// the weights on 2 MB pages as the model runner puts them, the hardware prefetchers alone
+// stream faster: SmolLM2's 30 layers of linears, the two alternated in one process, 1 row
+// 1.17x on one thread and 1.01-1.12x on two, 2 rows 1.27x / 1.09x, 3 rows 1.33x / 1.07x (on 4 KB
+// pages 1.02x at 1 row, 1.12x / 1.06x at 3); on two threads without it the linears read 96% of
+// a streaming sum's rate where they read 85-90% with it. So it is off on AMD's AVX-512 build
+// (no PLAIT_PREFETCH_L2: cpp_build.prefetch_flags) and on everywhere else (AVX2 AMD unmeasured).
+// The pair blocks' prefetches (4+ rows) stay: without them 4 rows measured even, 8 rows 0.74x.
+#if defined(PLAIT_PREFETCH_L2) || !defined(__AVX512F__)
+std::atomic<bool> g_single_tile_stream{true};
+#else
+std::atomic<bool> g_single_tile_stream{false};
+#endif
+
 struct Fp32Weights {  // fp32 panels [K, 32]: the dequantized scratch, or fp32 weights
   const float* w;
   // software prefetch while reading input k: with `stream`, both cache lines of input k at pf
@@ -759,7 +776,7 @@ void panel_rows_fp32(const float* x, int64_t K, const Fp32Weights& wt, const Des
     Fp32Weights w = wt;
     if (tiles == 1) {
       w.pf = wt.w + kPrefetchFloats;
-      w.stream = true;
+      w.stream = g_single_tile_stream.load(std::memory_order_relaxed);
     } else if (next) {
       // tile t of T fetches lines [t 2K / T, (t + 1) 2K / T) of the next panel's 2K
       w.pf = next + (t * 2 * K / tiles) * 16;
@@ -1581,6 +1598,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "fp32 linears of at least `rows` rows on AMX tiles (0: never); the rows in effect (0 "
      "where Linux gives this process no AMX state)");
 #endif
+  m.def("set_fp32_stream_prefetch", [](bool on) {
+    return g_single_tile_stream.exchange(on);
+  }, "whether a single row tile of an fp32 linear prefetches its weight stream in software; "
+     "returns the setting before");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale[:, None]).T, q in 32-feature panels");
   m.def("int4_linear", &int4_linear, "y = x @ (q * scale + min, group 32).T, 32-feature panels");
   m.attr("isa") = kIsa;

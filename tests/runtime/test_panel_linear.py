@@ -47,6 +47,30 @@ def test_panel_linear_equals_torch_linear(shape):
                                atol=1e-4, rtol=1e-4)
 
 
+def test_the_single_tile_stream_prefetch_is_a_setting_that_changes_no_result():
+    """A single row tile (1-3 rows) prefetches its weight stream in software on Intel CPUs and
+    with AVX2, not in the AVX-512 build on AMD (woq_cpu.cpp's g_single_tile_stream: there the
+    hardware prefetchers alone stream faster); set_fp32_stream_prefetch switches it."""
+    from plait.kernels.cpp_build import prefetch_flags
+
+    ops = woq.linear_ops()
+    default = ops.isa != "avx512" or bool(prefetch_flags())
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(960, 576, generator=gen)
+    m = woq.PanelLinear(weight)
+    xs = [torch.randn(rows, 576, generator=gen) for rows in (1, 2, 3)]
+    try:
+        assert ops.set_fp32_stream_prefetch(not default) == default
+        other = [m(x) for x in xs]
+        assert ops.set_fp32_stream_prefetch(default) == (not default)
+        for x, y in zip(xs, other):
+            assert torch.equal(m(x), y)
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, weight),
+                                       atol=1e-4, rtol=1e-4)
+    finally:
+        ops.set_fp32_stream_prefetch(default)
+
+
 @pytest.mark.parametrize("cls", ["fp32", "int8", "int4"])
 def test_results_do_not_depend_on_the_threads(cls):
     """Threads claim runs of panels as they go (woq_cpu.cpp parallel_panels), so which thread
