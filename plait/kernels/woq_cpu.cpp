@@ -305,10 +305,12 @@ constexpr auto kSmallStreamHint = _MM_HINT_T0;
 // its own weight stream kPrefetchFloats ahead in software (set_fp32_stream_prefetch changes it).
 // On the Intel VMs it did (batch-1 linears 8.7 -> 6.9 ms, above). On the Zen 4 EPYC VM, with
 // the weights on 2 MB pages as the model runner puts them, the hardware prefetchers alone
-// stream faster: SmolLM2's 30 layers of linears, the two alternated in one process, 1 row
-// 1.17x on one thread and 1.01-1.12x on two, 2 rows 1.27x / 1.09x, 3 rows 1.33x / 1.07x (on 4 KB
-// pages 1.02x at 1 row, 1.12x / 1.06x at 3); on two threads without it the linears read 96% of
-// a streaming sum's rate where they read 85-90% with it. So it is off on AMD's AVX-512 build
+// stream faster: SmolLM2's 30 layers of linears, the two builds alternated in one process (a
+// script by hand, session 46), 1 row 1.17x on one thread and 1.01-1.12x on two, 2 rows 1.27x /
+// 1.09x, 3 rows 1.33x / 1.07x (on 4 KB pages 1.02x at 1 row, 1.12x / 1.06x at 3); on two
+// threads without it the linears read 96% of a streaming sum's rate, with it 85-90%. SmolLM2's
+// decode steps (benchmarks/profile_steps.py --stream-prefetch-ab, in-process, alternated):
+// batch 1 about even (0.99-1.09x), 2 1.04-1.17x, 3 1.04-1.20x. So it is off on AMD's AVX-512 build
 // (no PLAIT_PREFETCH_L2: cpp_build.prefetch_flags) and on everywhere else (AVX2 AMD unmeasured).
 // The pair blocks' prefetches (4+ rows) stay: without them 4 rows measured even, 8 rows 0.74x.
 #if defined(PLAIT_PREFETCH_L2) || !defined(__AVX512F__)
