@@ -175,6 +175,8 @@ _SCHEMA_NOTES = [
     "a maxLength more than 32 above minLength is enforced on the raw JSON text: an escape "
     "(\\n, \\u00XX) counts its 2 or 6 characters, so strings with escapes may end shorter "
     "than maxLength allows (never longer)",
+    ("a minLength above 64 (or inside a pattern) is met by plain characters: no escape "
+     "among a string's first minLength characters"),
     ("multipleOf on whole numbers only; uniqueItems when maxItems <= 1 or over items of a few "
      "values (at most 400 arrays)"),
     ("not only of one type list, one required list (closed objects), one pattern anchored "

@@ -43,8 +43,8 @@ def accepts(backend, spec: str, text: str, tokenizer) -> bool:
 
 def test_length_bounds_leave_no_counted_repetition_of_the_character_alternation():
     """xgrammar caches no token mask for `c{lo, hi}` with c a class-or-escape alternation (a
-    20-40 ms fill on a 100k vocabulary): bounds up to LONG_REPEAT become a repetition of the
-    class alone and/or a max_chars rule; longer minimums keep `c{lo, lo}`."""
+    20-40 ms fill on a 100k vocabulary, 0.4-0.8 s at a minimum of 5000): every bound becomes a
+    repetition of the class alone and/or a max_chars rule, long minimums too."""
     import re
 
     import xgrammar as xgr
@@ -67,10 +67,15 @@ def test_length_bounds_leave_no_counted_repetition_of_the_character_alternation(
     one = rewritten(1, 20)  # exact: the first character may be an escape
     assert "[max_chars=20]" in one and "| (root_1_len0_tail))" in one
     assert not counted_char.search(one)
-    # a minimum past LONG_REPEAT keeps its counted characters, the long maximum a max_chars rule
+    # a minimum past LONG_REPEAT: its first characters the class repeated, the bound max_chars
     far = rewritten(LONG_REPEAT + 8, 2048)
-    assert f"root_1{{{LONG_REPEAT + 8}, {LONG_REPEAT + 8}}}" in far
-    assert f"[max_chars={2048 - LONG_REPEAT - 8}]" in far
+    assert f"]{{{LONG_REPEAT + 8}, -1}}" in far and "[max_chars=2048]" in far
+    assert not counted_char.search(far)
+    # past XGR_REPEAT the plain characters are nested counts (5000 = 39 x 128 + 8); was
+    # `c{5000, -1}`: 0.4-0.8 s a mask fill
+    huge = rewritten(5000, None)
+    assert "_blk1 ::= (([" in huge and "]{128, 128}))" in huge and "_blk1{39, 39} [" in huge
+    assert "]{8, 8} [" in huge and "max_chars" not in huge and not counted_char.search(huge)
     # a repeated multi-character group is not one character per repeat: left as it is
     group = bound_long_repeats(str(xgr.Grammar.from_regex("(?:ab){0,500}")))
     assert "max_chars" not in group
@@ -99,6 +104,39 @@ def test_fast_length_forms_accept_and_refuse_as_documented(backends, tokenizer):
     assert not accepts(xg, short, '{"a": "abcdef"}', tokenizer)
     assert accepts(xg, short, '{"a": "' + "\\n" * 5 + '"}', tokenizer)  # exact up to CHAIN_LIMIT
     assert not accepts(xg, short, '{"a": "' + "\\n" * 6 + '"}', tokenizer)
+
+
+def test_a_long_minimum_is_enforced_exactly_for_plain_characters(backends, tokenizer):
+    """minLength past the chains (CHAIN_LIMIT): the first minLength characters are the class
+    repeated (no escape among them; mask fills from xgrammar's cache), then any characters."""
+    xg = backends["xgrammar"]
+    lo = CHAIN_LIMIT + 36
+    spec = json.dumps({"type": "object", "required": ["a"], "additionalProperties": False,
+                       "properties": {"a": {"type": "string", "minLength": lo}}})
+    assert accepts(xg, spec, '{"a": "' + "x" * lo + '"}', tokenizer)
+    assert not accepts(xg, spec, '{"a": "' + "x" * (lo - 1) + '"}', tokenizer)
+    assert accepts(xg, spec, '{"a": "' + "x" * lo + '\\n\\"q"}', tokenizer)  # escapes after
+    assert not accepts(xg, spec, '{"a": "\\n' + "x" * lo + '"}', tokenizer)  # not among them
+    bounded = one_field(lo + 100, min_length=lo)
+    assert accepts(xg, bounded, '{"a": "' + "x" * (lo + 100) + '"}', tokenizer)
+    assert not accepts(xg, bounded, '{"a": "' + "x" * (lo + 101) + '"}', tokenizer)
+    assert not accepts(xg, bounded, '{"a": "' + "x" * (lo - 1) + '"}', tokenizer)
+
+
+@pytest.mark.parametrize("min_length, max_length", [(129, None), (300, None), (300, 700),
+                                                    (20000, None)])
+def test_long_minimums_mask_only_tokens_the_matcher_takes(backends, walker, min_length,
+                                                          max_length):
+    """Past XGR_REPEAT xgrammar's masks for `[...]{lo, -1}` inside a string let through tokens
+    its matcher refuses (a raw newline), so longer minimums are nested counted repetitions of
+    at most XGR_REPEAT: random walks (every allowed token must be taken) stay in step."""
+    spec = one_field(max_length, min_length) if max_length else json.dumps(
+        {"type": "object", "required": ["a"], "additionalProperties": False,
+         "properties": {"a": {"type": "string", "minLength": min_length}}})
+    grammar = backends["xgrammar"].compile("json_schema", spec)
+    for seed in range(6):
+        walk = walker.walk(grammar.matcher(), seed=seed, max_steps=40)
+        assert not walk.stuck
 
 
 @pytest.mark.parametrize("max_length", [40, 300])
