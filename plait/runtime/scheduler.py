@@ -50,6 +50,9 @@ from plait.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# picks a row may take again when its grammar's matcher refuses one its mask allowed
+REPICK_LIMIT = 64
+
 TOKENIZER_IDLE_S = 0.5  # idle this long before a DeferredTokenizer starts loading
 # with nothing to run but grammars compiling, the loop waits on its socket this long between
 # checks of the compiles (a message still wakes it at once): polling without a wait held the
@@ -116,6 +119,8 @@ class Scheduler:
             # n-gram speculation: decode steps run as a verifying extend, tokens proposed, and
             # proposed tokens the model agreed with (each one a decode forward saved)
             "spec_forwards": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+            # picks a grammar's mask allowed and its matcher refused, picked again
+            "refused_mask_picks": 0,
         }
         self._handlers = {
             TokenizedGenerateReq: self.handle_generate,
@@ -586,6 +591,9 @@ class Scheduler:
             for req in to_sample:
                 self.fail(req, error)
             return {}
+        for k, req in enumerate(to_sample):
+            if req.grammar is not None and k not in res.errors:
+                self._repick_refused(req, k, sub, bitmask, res)
         for k, err in res.errors.items():
             self.fail(to_sample[k], err)
         new_tokens = {}
@@ -661,6 +669,8 @@ class Scheduler:
             if req.finished:
                 break
             res = self.sampler(row, [req], mask)
+            if 0 not in res.errors:
+                self._repick_refused(req, 0, row, mask, res)
             if 0 in res.errors:
                 raise res.errors[0]
             token = res.next_ids[0]
@@ -675,6 +685,46 @@ class Scheduler:
                 break
             kept += 1  # the draft token's KV, computed at this position, is the model's
         return kept
+
+    def _repick_refused(self, req: Req, k: int, logits, bitmask: torch.Tensor, res) -> None:
+        """A grammar backend's mask may allow a token its own matcher then refuses (xgrammar
+        0.2.8 past a counted repetition of 128: a regex `[^x]{300,}` let tokens with an `x`
+        through, and the request failed with an internal error). Row k's pick (res.next_ids[k])
+        is checked against req's matcher; a refused one is masked out of the row and the row
+        picked again (its argmax, or sampled as the sampler would), up to
+        REPICK_LIMIT times before the request fails."""
+        token = res.next_ids[k]
+        for _ in range(REPICK_LIMIT):
+            if self.constraints.takes(req, token):
+                res.next_ids[k] = token
+                return
+            self.counters["refused_mask_picks"] += 1
+            if self.counters["refused_mask_picks"] == 1:
+                logger.warning("the grammar backend's mask allowed token %d, which its matcher "
+                               "refuses (request %s); picking again", token, req.rid)
+            word, bit = divmod(token, 32)
+            value = (int(bitmask[k, word]) & 0xFFFFFFFF) & ~(1 << bit)
+            bitmask[k, word] = value - (1 << 32) if value >= 1 << 31 else value
+            if isinstance(logits, torch.Tensor):  # masked in place by the sampler already
+                logits[k, token] = float("-inf")
+                if not torch.isfinite(logits[k]).any():
+                    break
+                if req.sampling.is_greedy:
+                    token = int(logits[k].argmax())
+                else:
+                    errors: dict = {}
+                    token = int(self.sampler._sample_rows(logits[k : k + 1], [req], [k],
+                                                          errors)[0])
+                    if errors:
+                        break
+            else:  # screened rows (greedy): the row's best pick under the narrowed mask
+                row_max, ids = logits[k : k + 1].picks(bitmask[k : k + 1])
+                if not torch.isfinite(row_max).all():
+                    break
+                token = int(ids[0])
+        res.errors[k] = RequestFailed(
+            "constraint: the grammar backend's mask allowed tokens its matcher refuses", 500)
+        res.next_ids[k] = -1
 
     def _emit_sampled(self, req: Req, token: int, row: torch.Tensor | None = None) -> bool:
         """Emit a sampled token, or, near max_new_tokens, the closing its grammar needs in its

@@ -85,6 +85,23 @@ def test_regex_and_choices(engine):
     assert all(o["text"] in choices for o in outs)
 
 
+def test_a_pick_the_mask_allowed_but_the_matcher_refuses_is_picked_again(engine):
+    """xgrammar's masks past a counted repetition of 128 let through tokens its matcher
+    refuses (`[^x]{300,}`: tokens with an `x`); such a pick is masked out and the row picked
+    again (Scheduler._repick_refused) rather than the request failing with an internal
+    error. Greedy and sampled; on xgrammar the repicks happened."""
+    before = engine.get_server_info().get("refused_mask_picks", 0)
+    for temperature in (0.0, 1.0):
+        outs = engine.generate(["Hello", "Data:", "x"] * 2, [
+            {"max_new_tokens": 60, "temperature": temperature, "seed": s, "regex": "[^x]{300,}"}
+            for s in range(6)])
+        for out in outs:
+            assert out["meta_info"]["finish_reason"]["type"] == "length"
+            assert "x" not in out["text"] and len(out["text"]) >= 60
+    if engine.args.grammar_backend == "xgrammar":
+        assert engine.get_server_info()["refused_mask_picks"] > before
+
+
 def test_a_budget_ending_where_the_output_is_whole_is_not_cut_short(engine):
     """The budget planner closes what is open; output its constraint already takes as whole (a
     structural tag's free text) runs to max_new_tokens as the same text unconstrained does,
