@@ -300,9 +300,9 @@ constexpr auto kStreamHint = _MM_HINT_T0;
 constexpr auto kSmallStreamHint = _MM_HINT_T0;
 #endif
 
-// Whether a single row tile (1-3 rows with AVX-512, the pair blocks from 4; 1-6 with AVX2:
-// panel_rows_fp32) prefetches
-// its own weight stream kPrefetchFloats ahead in software (set_fp32_stream_prefetch changes it).
+// Whether a single row tile (panel_rows_fp32: 1-3 rows with AVX-512, the pair blocks from 4;
+// 1-6 with AVX2) prefetches its own weight stream kPrefetchFloats ahead in software
+// (set_fp32_stream_prefetch changes it).
 // On the Intel VMs it did (batch-1 linears 8.7 -> 6.9 ms, above). On the Zen 4 EPYC VM, with
 // the weights on 2 MB pages as the model runner puts them, the hardware prefetchers alone
 // stream faster: SmolLM2's 30 layers of linears, the two builds alternated in one process (a
