@@ -20,6 +20,7 @@ class ClosingPlan(NamedTuple):
     remaining_then: int = 0  # the request's remaining new tokens when it was planned
     tokens: tuple[int, ...] | None = None  # the plan (before its EOS), when one was found
     at: int = -1  # len(output_ids) it was planned from (-1: never planned)
+    failures: int = 0  # searches in a row that found no closing (this one included)
 
     @property
     def length(self) -> int | None:

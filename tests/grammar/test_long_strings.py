@@ -385,3 +385,34 @@ def test_a_search_for_a_shorter_closing_than_one_that_still_ends_the_output_is_b
     assert out == closing + [out[-1]] and out[-1] in eos_ids
     bound = max(6, round(1 / constraints.CLOSE_REFUSED_COST)) * constraints.CLOSE_SHORTER_NODES
     assert counting.calls <= bound + 50, counting.calls  # (+ admit's own checks)
+
+
+def test_searches_for_a_closing_the_budget_cannot_hold_back_off(backends, tokenizer, eos_ids):
+    """A string of minLength 5000 under a 48-token budget can never close: each search finds
+    nothing. After a search that found nothing the next waits CLOSE_RECHECK_EVERY tokens, and
+    each later one twice as long as the one before; a failed plan does not count as tight (it
+    was searched again at each of the budget's last 4 tokens: 10 searches in 48 tokens, 14.7x an
+    unconstrained token on plait-tiny)."""
+    spec = json.dumps({"type": "object", "properties": {"text": {"type": "string",
+                                                                  "minLength": 5000}},
+                       "required": ["text"], "additionalProperties": False})
+    req = _req_at(backends, tokenizer, spec, '{"text": "', 48 + 4)
+    tracker = ConstraintTracker(None, tokenizer, 8256, tuple(eos_ids))
+    searched = []
+    search = tracker._search_after
+
+    def counted(r, max_len, *a, **k):
+        searched.append(r.remaining_new_tokens)
+        return search(r, max_len, *a, **k)
+
+    tracker._search_after = counted
+    word = tokenizer.encode("ab", add_special_tokens=False)
+    while req.remaining_new_tokens > 0:
+        tracker.plan_closing(req)
+        for t in word[:1]:
+            assert req.grammar.accept_token(t)
+            req.output_ids.append(t)
+    assert req.closing_plan.length == -1 and req.closing_plan.failures == len(searched)
+    gaps = [a - b for a, b in zip(searched, searched[1:])]
+    assert len(searched) <= 4 and gaps == [constraints.CLOSE_RECHECK_EVERY << i
+                                           for i in range(len(gaps))], searched
