@@ -208,7 +208,7 @@ LONG_SCHEMAS = {
 
 
 def long_strings(model: str, backend: str, n: int = 8, max_tokens: int = 48) -> dict:
-    """Per-token cost of long-maxLength schemas against unconstrained requests."""
+    """Per-token cost of long-length schemas against unconstrained requests."""
     import plait
 
     from plait.models.config import ModelConfig
@@ -517,7 +517,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only-extraction", action="store_true",
                     help="only the extraction comparison (printed, no files written)")
     ap.add_argument("--only-long", action="store_true",
-                    help="only the long-maxLength per-token-cost check")
+                    help="only the long-length (maxLength, minLength) per-token-cost check")
     ap.add_argument("--only-budgets", default="",
                     help="only the dev schemas at these max_new_tokens (e.g. 16,32,64): how "
                          "many end whole; written to grammar-budgets[-MODEL].json")

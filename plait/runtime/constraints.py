@@ -234,12 +234,7 @@ class ConstraintTracker:
     def takes(self, req: Req, token: int) -> bool:
         """Whether req's grammar accepts `token` now (its state left unchanged)."""
         m = req.grammar
-        if m is None or m.is_terminated():
-            return True
-        if not m.accept_token(token):
-            return False
-        m.rollback(1)
-        return True
+        return m is None or m.is_terminated() or _accepts(m, token)
 
     def accept(self, req: Req, token: int) -> None:
         m = req.grammar

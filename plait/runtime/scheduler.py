@@ -702,9 +702,6 @@ class Scheduler:
             if self.counters["refused_mask_picks"] == 1:
                 logger.warning("the grammar backend's mask allowed token %d, which its matcher "
                                "refuses (request %s); picking again", token, req.rid)
-            word, bit = divmod(token, 32)
-            value = (int(bitmask[k, word]) & 0xFFFFFFFF) & ~(1 << bit)
-            bitmask[k, word] = value - (1 << 32) if value >= 1 << 31 else value
             if isinstance(logits, torch.Tensor):  # masked in place by the sampler already
                 logits[k, token] = float("-inf")
                 if not torch.isfinite(logits[k]).any():
@@ -718,6 +715,9 @@ class Scheduler:
                     if errors:
                         break
             else:  # screened rows (greedy): the row's best pick under the narrowed mask
+                word, bit = divmod(token, 32)
+                value = (int(bitmask[k, word]) & 0xFFFFFFFF) & ~(1 << bit)
+                bitmask[k, word] = value - (1 << 32) if value >= 1 << 31 else value
                 row_max, ids = logits[k : k + 1].picks(bitmask[k : k + 1])
                 if not torch.isfinite(row_max).all():
                     break
