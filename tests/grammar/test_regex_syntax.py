@@ -114,7 +114,7 @@ def test_lengths_are_shared_among_several_variable_parts():
     allowed length, never one outside them); the split is even where the parts have room."""
     assert json_string_regex(r"^a+b+$", 0, 3) == "a{1,2}b{1}"
     assert json_string_regex(r"^a+b+$", 5, 8) == "a{3,5}b{2,3}"
-    assert json_string_regex(r"^(?:x[0-9]+)*$", 10, 12) == "(?:x[0-9]{4,5}){2}"
+    assert json_string_regex(r"^(?:x[0-9]+)*$", 10, 12) == "x[0-9]{4,5}x[0-9]{4,5}"  # spelled out
     assert json_string_regex(r"^[A-Z]{2}-[0-9]+-[a-z]+$", 0, 20) == "[A-Z]{2}\\-[0-9]{1,8}\\-[a-z]{1,8}"
 
 
@@ -238,3 +238,28 @@ def test_a_leading_negative_look_ahead_is_spelled_exactly(pattern):
 def test_other_negative_look_aheads_are_refused(pattern):
     with pytest.raises(GrammarError, match="look-ahead"):
         normalize_regex(pattern)
+
+
+@pytest.mark.parametrize("pattern", [
+    r"(ab ){2,}", r"(?:a|b c){0,3}", r"(a(b c){2}){1,3}", r"(?:ab|c){3}b", r"(a b?){2,4}c",
+])
+def test_small_counted_groups_are_spelled_out_in_the_same_language(pattern):
+    """xgrammar masks a counted repetition of a group without its token cache; the printed
+    regex spells small counts out (no `){n}`, `){n,m}` left) and matches exactly the same
+    strings: every string over the pattern's alphabet up to 9 characters is checked."""
+    out = normalize_regex(pattern)
+    assert not re.search(r"\)\{\d", out), out
+    for n in range(10):
+        for chars_ in itertools.product("abc ", repeat=n):
+            s = "".join(chars_)
+            assert bool(re.fullmatch(pattern, s)) == bool(re.fullmatch(out, s)), (s, out)
+
+
+def test_large_counted_groups_stay_counted():
+    """Spelling out is bounded: more than SPELL_COPIES copies, or more than SPELL_LEAVES
+    character sets in all, stay counted (compile time would grow with the text)."""
+    assert normalize_regex(r"(ab){100}") == "(?:ab){100}"
+    assert normalize_regex(r"(ab){3,40}") == "(?:ab){3,40}"
+    nested = normalize_regex(r"((ab c){12}d){12}")  # 37 x 12 leaves: the outer stays counted
+    assert nested.endswith("d){12}") and nested.count("ab c") == 12, nested
+    assert len(normalize_regex(r"(" + "a" * 600 + "){2}")) < 1300  # over the leaf budget
