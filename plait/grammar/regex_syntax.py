@@ -385,11 +385,13 @@ def _char_regex(s: CharSet, json: bool) -> tuple[str, bool]:
 # (`\w+ \w+ \w+ \w+ \w+ (?:\w+ )*`); `(?:\w+ ){0,3}` 18 ms at worst against 0.4. So a counted
 # repetition of anything but one character set is spelled out: lo copies, then `(?:X)*` or
 # hi - lo nested optionals `(?:X(?:X)?)?` (one way to read each string, no ambiguity). Spelling
-# costs compile time (30 copies of `\w+ `: 0.24 s once, cached after), so only up to
-# SPELL_COPIES copies of the group, and SPELL_LEAVES character sets in all; larger counts stay
-# counted. Character sets repeated (`[a-z]{2,40}`) are cached and stay counted.
-SPELL_COPIES = 16
-SPELL_LEAVES = 512
+# costs compile time, in the compiler process and once (then cached) but against its 5 s
+# timeout: on a 100k vocabulary `(\w+ ){3,64}` 0.5 s, 512 character sets (`(\w+ \w+ \w+ \w+
+# ){0,63}`) 2.2 s. So at most SPELL_COPIES copies of a group and SPELL_LEAVES character sets in
+# all; larger counts stay counted. Character sets repeated (`[a-z]{2,40}`) are cached and stay
+# counted.
+SPELL_COPIES = 64
+SPELL_LEAVES = 256
 
 
 def _leaves(node: Node) -> int:
