@@ -32,6 +32,10 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 # 1.59-1.62x with this label, `benchmarks/grammar.py`'s dev costs). email keeps its bounded
 # labels: unbounded ones measured slower there (Github_easy/o76909.json 2.49x -> 2.83-2.96x).
 _ANY_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+# An IDNA-valid ASCII label (idna.encode, jsonschema's idn-hostname checker, refuses hyphens in
+# both the 3rd and 4th places, "ab--cd", besides a hyphen at either end and over 63
+# characters): from 4 characters on the 3rd is a letter or digit (a subset).
+_IDN_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9]|[A-Za-z0-9-][A-Za-z0-9](?:[A-Za-z0-9-]{0,59}[A-Za-z0-9])?)?"
 _HEX4 = r"[0-9a-f]{1,4}"
 # A uri's path and query leave out RFC 3986's percent-encoding: a % alone is no URI (rfc3987,
 # jsonschema's uri checker, refuses "https://a/%_"), and the exact `(?:[...]|%[0-9A-Fa-f]{2})*`
@@ -59,6 +63,8 @@ FORMAT_PATTERNS: dict[str, str] = {
     "ipv6": rf"{_HEX4}(?::{_HEX4}){{7}}",
     # at most 3 labels of <= 63 characters: well under the 253-character limit
     "hostname": rf"{_LABEL}(?:\.{_LABEL}){{0,2}}",
+    # ASCII hostnames are internationalized ones (RFC 5890) when IDNA takes their labels
+    "idn-hostname": rf"{_IDN_LABEL}(?:\.{_IDN_LABEL}){{0,2}}",
     "email": _EMAIL,
     "uri": _URI,
     # an absolute uri, or a path from the root (RFC 3986 path-absolute) with its query

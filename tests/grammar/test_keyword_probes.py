@@ -48,6 +48,7 @@ PROBES: dict[str, dict] = {
     "pattern of two parts+maxLength": s(pattern=r"^\d+\.\d+$", maxLength=5),
     "format idn-email": s(format="idn-email"),
     "format idn-hostname": s(format="idn-hostname"),
+    "format regex": s(format="regex"),
     "minimum": {"type": "integer", "minimum": 5},
     "int range": {"type": "integer", "minimum": -12, "maximum": 40},
     "patternProperties of names": {"type": "object", "patternProperties": {
@@ -205,7 +206,7 @@ BOTH = set(BACKENDS)
 OUTLINES = {"outlines"}
 # probe -> backends that refuse it (a GrammarError naming the keyword or the combination)
 REFUSED = {
-    "format idn-hostname": BOTH,
+    "format regex": BOTH,
     "minimum": OUTLINES,
     "exclusive": OUTLINES,
     "int maximum past 64 bits": OUTLINES,

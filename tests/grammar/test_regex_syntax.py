@@ -264,3 +264,18 @@ def test_large_counted_groups_stay_counted():
     nested = normalize_regex(r"((ab c){12}d){12}")  # 37 x 12 leaves: the outer stays counted
     assert nested.endswith("d){12}") and nested.count("ab c") == 12, nested
     assert len(normalize_regex(r"(" + "a" * 600 + "){2}")) < 1300  # over the leaf budget
+
+
+def test_idn_hostname_labels_are_ones_idna_takes():
+    """idna.encode (jsonschema's idn-hostname checker) refuses hyphens in both the 3rd and 4th
+    places of a label, which a plain hostname allows: no label the format's regex matches has
+    them (every label over a small alphabet up to 8 characters, each checked by idna)."""
+    import idna
+
+    pattern = FORMAT_PATTERNS["idn-hostname"]
+    assert re.fullmatch(pattern, "example.com") and re.fullmatch(pattern, "a" * 63 + ".b")
+    assert not re.fullmatch(pattern, "ab--cd.com") and not re.fullmatch(pattern, "a" * 64)
+    for n in range(1, 9):
+        for label in map("".join, itertools.product("a-1", repeat=n)):
+            if re.fullmatch(pattern, label):
+                idna.encode(label)  # raises for a label IDNA refuses
