@@ -388,8 +388,10 @@ def _char_regex(s: CharSet, json: bool) -> tuple[str, bool]:
 # costs compile time, in the compiler process and once (then cached) but against its 5 s
 # timeout: on a 100k vocabulary `(\w+ ){3,64}` 0.5 s, 512 character sets (`(\w+ \w+ \w+ \w+
 # ){0,63}`) 2.2 s. So at most SPELL_COPIES copies of a group and SPELL_LEAVES character sets in
-# all; larger counts stay counted. Character sets repeated (`[a-z]{2,40}`) are cached and stay
-# counted.
+# all; past those the first copies are spelled and the rest stay counted after them
+# (`(\w+ ){3,200}`: 64 copies, the innermost optional holding `(?:\w+ ){0,136}`), so an output
+# that stops within them never reaches the slow form. Character sets repeated (`[a-z]{2,40}`)
+# are cached and stay counted.
 SPELL_COPIES = 64
 SPELL_LEAVES = 256
 
@@ -419,14 +421,25 @@ def _spell(node: Node, budget: list[int]) -> Node:
     lo, hi = node.lo, node.hi
     if isinstance(item, Char) or (lo, hi) in ((0, None), (1, None), (0, 1)) or hi == 0:
         return Repeat(item, lo, hi)
-    copies = lo + (1 if hi is None else hi - lo)
-    extra = (copies - 1) * _leaves(item)
-    if copies > SPELL_COPIES or extra > budget[0]:
+    # copies written out: all of them (lo, and hi - lo optional or one starred) where the
+    # budget allows, else as many as it allows, the rest left counted after them
+    size = _leaves(item)
+    copies = min(lo + (1 if hi is None else hi - lo), SPELL_COPIES, 1 + budget[0] // size)
+    if copies < 2:
         return Repeat(item, lo, hi)
-    budget[0] -= extra
-    tail: Node | None = Repeat(item, 0, None) if hi is None else None
-    for _ in range(0 if hi is None else hi - lo):
-        tail = Repeat(item if tail is None else Seq((item, tail)), 0, 1)
+    budget[0] -= (copies - 1) * size
+    if copies <= lo:  # the first copies of the required ones, then the rest counted
+        rest_hi = None if hi is None else hi - copies
+        return Seq((item,) * copies + ((Repeat(item, lo - copies, rest_hi),) if rest_hi != 0
+                                       else ()))
+    if hi is None:
+        return Seq((item,) * lo + (Repeat(item, 0, None),))
+    # lo copies, then copies - lo nested optionals, the innermost holding the rest counted
+    rest = hi - copies
+    tail: Node | None = None
+    for depth in range(copies - lo):
+        inner = item if depth > 0 or rest == 0 else Seq((item, Repeat(item, 0, rest)))
+        tail = Repeat(inner if tail is None else Seq((item, tail)), 0, 1)
     return Seq((item,) * lo + (() if tail is None else (tail,)))
 
 
