@@ -421,6 +421,8 @@ def _spell(node: Node, budget: list[int]) -> Node:
     lo, hi = node.lo, node.hi
     if isinstance(item, Char) or (lo, hi) in ((0, None), (1, None), (0, 1)) or hi == 0:
         return Repeat(item, lo, hi)
+    if (lo, hi) == (1, 1):
+        return item
     # copies written out: all of them (lo, and hi - lo optional or one starred) where the
     # budget allows, else as many as it allows, the rest left counted after them
     size = _leaves(item)
