@@ -348,6 +348,15 @@ class Scheduler:
     def _extend_batch(self) -> Batch | None:
         budget = self.args.chunked_prefill_size
         reqs, lens = [], []
+        # While a prompt longer than the budget prefills chunk by chunk, the decoding requests
+        # ride along in each of its forwards (an extend of 1 each, at most half the budget),
+        # as vLLM mixes decodes into its prefill chunks: before, the chunks ran one forward
+        # after another and every running stream stopped until the last (a 3,000-token
+        # SmolLM2 prompt: 5 s without a token). Their tokens are set aside from the budget
+        # first and taken only if a chunk is left pending after this forward.
+        decoding = [r for r in self.running if r.pending_len == 1]
+        set_aside = min(len(decoding), budget // 2)
+        budget -= set_aside
         if self.chunked is not None:  # continue the pending chunked prompt first
             req, self.chunked = self.chunked, None
             n = min(req.pending_len, budget)
@@ -370,17 +379,6 @@ class Scheduler:
             lens.append(n)
             budget -= n
             forced = True
-        if forced:
-            # the requests with one pending token ride along (an extend of 1): otherwise
-            # they waited for a decode forward of their own right after this one, and a
-            # batch of JSON requests whose forced text comes at different steps ran two
-            # forwards (each reading all the weights) per generated token
-            for req in [r for r in self.running if r.pending_len == 1]:
-                if budget < 1 or not self.kv.alloc(req, 1):
-                    break
-                reqs.append(req)
-                lens.append(1)
-                budget -= 1
         if self.waiting and self.chunked is None:
             room = self.args.max_running_requests - len(self.running) - len(reqs)
             ordered = policy.order_waiting(self.waiting, self.args.schedule_policy, self.kv)
@@ -391,6 +389,18 @@ class Scheduler:
             reqs += adm.reqs
             lens += adm.extend_lens
             self.chunked = adm.chunked
+        if forced or (reqs and self.chunked is not None):
+            # the requests with one pending token ride along (an extend of 1): with forced
+            # tokens, otherwise they waited for a decode forward of their own right after
+            # this one, and a batch of JSON requests whose forced text comes at different
+            # steps ran two forwards (each reading all the weights) per generated token
+            budget += set_aside
+            for req in decoding:
+                if budget < 1 or not self.kv.alloc(req, 1):
+                    break
+                reqs.append(req)
+                lens.append(1)
+                budget -= 1
         if not reqs:
             return None
         samples_token = [self.chunked is not r for r in reqs]

@@ -183,6 +183,46 @@ def test_a_jump_forward_extend_carries_the_decoding_requests(make_scheduler):
     assert all(batch.samples_token)
 
 
+def test_decoding_requests_ride_along_with_a_long_prompts_chunks(make_scheduler):
+    """A prompt longer than the chunk budget prefills over several forwards; the running
+    requests decode in each of them (an extend of 1 each) instead of waiting for its last
+    chunk, and every request's output is the one it gets alone."""
+    from plait.runtime.core import ForwardMode
+
+    alone = {}
+    for rid, ids in (("a", list(range(10, 30))), ("b", list(range(40, 62)))):
+        s, io = make_scheduler(max_total_tokens=2048, chunked_prefill_size=32)
+        submit(io, rid, ids, max_new_tokens=12, ignore_eos=True)
+        drain(s)
+        alone[rid] = outputs(io)[rid]
+    long_ids = [(7 * i) % 500 + 3 for i in range(150)]
+    s, io = make_scheduler(max_total_tokens=2048, chunked_prefill_size=32)
+    submit(io, "b", list(range(40, 62)), max_new_tokens=12, ignore_eos=True)
+    for _ in range(3):
+        s.step()
+    assert [r.rid for r in s.running] == ["b"]
+    submit(io, "long", long_ids, max_new_tokens=4, ignore_eos=True)
+    submit(io, "a", list(range(10, 30)), max_new_tokens=12, ignore_eos=True)
+    chunk_steps, run = 0, s.run_batch
+
+    def spy(batch):  # a forward with a chunk of "long" that is not its last
+        nonlocal chunk_steps
+        decoding = [r.rid for r in s.running if r.pending_len == 1]
+        lens = {r.rid: n for r, n in zip(batch.reqs, batch.extend_lens)}
+        if any(r.rid == "long" and not smp for r, smp in zip(batch.reqs, batch.samples_token)):
+            assert batch.mode is ForwardMode.EXTEND
+            assert decoding and all(lens.get(rid) == 1 for rid in decoding), (decoding, lens)
+            chunk_steps += 1
+        run(batch)
+
+    s.run_batch = spy
+    drain(s)
+    assert chunk_steps >= 3
+    out = outputs(io)
+    assert out["b"] == alone["b"] and out["a"] == alone["a"]
+    assert len(out["long"]) == 4
+
+
 def test_kv_runs_put_each_requests_decode_tokens_in_adjacent_slots(make_scheduler):
     """With --kv-run-tokens a decode batch's requests each read their KV as runs of adjacent
     slots (without, a step hands them consecutive slots in turn: 4 requests, 4 slots apart);
