@@ -18,8 +18,8 @@
 3. compile time per schema: cold (first submit) and cached (second submit), GrammarManager on
    the extraction schema and on five dev schemas.
 4. per-token cost of long-length schemas (a signup form: nine strings of 1024-2048
-   characters; one field at 2048; one of minLength 5000): seconds per output token constrained vs unconstrained
-   (same prompts, same lengths), and the unconstrained requests' per-token time when one
+   characters; one field at 2048; one of minLength 5000) and of regexes with counted groups:
+   seconds per output token constrained vs unconstrained (same prompts, same lengths), and the unconstrained requests' per-token time when one
    heavy-schema request shares their batch vs when it does not.
 5. the 200 JSONSchemaBench dev schemas through the Engine (greedy, --dev-tokens): share accepted,
    share of finished outputs that validate, refusals grouped by keyword.

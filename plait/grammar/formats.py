@@ -35,7 +35,8 @@ _ANY_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 # An IDNA-valid ASCII label (idna.encode, jsonschema's idn-hostname checker, refuses hyphens in
 # both the 3rd and 4th places, "ab--cd", besides a hyphen at either end and over 63
 # characters): from 4 characters on the 3rd is a letter or digit (a subset).
-_IDN_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9]|[A-Za-z0-9-][A-Za-z0-9](?:[A-Za-z0-9-]{0,59}[A-Za-z0-9])?)?"
+_IDN_LABEL = (r"[A-Za-z0-9](?:[A-Za-z0-9]"
+              r"|[A-Za-z0-9-][A-Za-z0-9](?:[A-Za-z0-9-]{0,59}[A-Za-z0-9])?)?")
 _HEX4 = r"[0-9a-f]{1,4}"
 # A uri's path and query leave out RFC 3986's percent-encoding: a % alone is no URI (rfc3987,
 # jsonschema's uri checker, refuses "https://a/%_"), and the exact `(?:[...]|%[0-9A-Fa-f]{2})*`
