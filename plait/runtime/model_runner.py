@@ -39,7 +39,14 @@ from plait.runtime.cuda_graph import GRAPH_BACKENDS, DecodeGraphRunner
 from plait.runtime.hugepages import move_buffers_to_huge_pages
 from plait.runtime.logit_screen import LogitScreen, ScreenedRows, has_bf16_units
 from plait.runtime.parallel import ModelSharding, TPGroup, pack_row_parallel
-from plait.runtime.thread_tuner import DECODE, EXTEND, HostLoad, ThreadTuner
+from plait.runtime.thread_tuner import (
+    DECODE,
+    EXTEND,
+    HostLoad,
+    ThreadTuner,
+    attention_work,
+    pair_cost,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +147,8 @@ class ModelRunner:
         )
         self.decode_graphs = self._capture_decode_graphs(args)
         self.thread_tuner = _thread_tuner(args, self.device, self.tp)
+        self._pair_cost = pair_cost(cfg.hidden_size, cfg.intermediate_size,
+                                    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.host_load = HostLoad()  # the tuner's load level: other processes' cores
         self.perf_clock: Callable[[], float] = time.perf_counter  # times the tuned forwards
         logger.info(
@@ -391,7 +400,11 @@ class ModelRunner:
             torch.set_num_threads(threads)  # ~0.1 us: OpenMP resizes its team lazily
         start = self.perf_clock()
         yield
-        tuner.record(kind, tokens, threads, self.perf_clock() - start, load)
+        # an extend's attention grows with the context before it (a long prompt's chunks);
+        # a decode step's is bound by reading the KV and grows slowly, step by step
+        work = None if kind == DECODE else attention_work(
+            inputs.prefix_lens, inputs.extend_lens, self._pair_cost)
+        tuner.record(kind, tokens, threads, self.perf_clock() - start, load, work)
 
     def thread_stats(self) -> dict:
         """The forward's thread count: the tuner's statistics, or the fixed count."""

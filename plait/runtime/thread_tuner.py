@@ -56,6 +56,21 @@ def size_bucket(tokens: int) -> int:
     return 1 << max(0, tokens - 1).bit_length()
 
 
+def pair_cost(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> float:
+    """What attending one query to one key costs in a decoder layer (QK and PV: 4 * heads *
+    head_dim FLOPs) as a share of what one token costs in the layer's linears (2 FLOPs a
+    weight): SmolLM2-135M 3.3e-4, so a token attending to 3,000 others costs twice a token."""
+    weights = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+    return 4 * heads * head_dim / (2 * weights)
+
+
+def attention_work(prefix_lens: list[int], extend_lens: list[int], cost: float) -> float:
+    """An extend forward's cost in tokens' worth of linears (ThreadTuner.record's `work`): its
+    tokens, plus `cost` (pair_cost) for each causal query-key pair its attention computes."""
+    pairs = sum(e * (p + (e + 1) / 2) for p, e in zip(prefix_lens, extend_lens))
+    return sum(extend_lens) + cost * pairs
+
+
 @dataclass(frozen=True)
 class TunerConfig:
     probe_forwards: int = 3  # evidence: this many forwards, or forwards of probe_seconds ...
@@ -83,6 +98,9 @@ class TunerConfig:
     # a new key takes as measured a count that the nearest smaller key of its kind and load,
     # on the same best count, measured at least this many times slower (see _inherit)
     inherit_ratio: float = 1.25
+    # on a quiet host (load 0) a key whose forwards take this long does not probe a
+    # never-measured count before a smaller key of its kind has measured it (see _probe_due)
+    costly_probe_s: float = 1.0
 
 
 @dataclass
@@ -160,7 +178,7 @@ class ThreadTuner:
         key = self._key(kind, tokens, load, settled)
         for arm in key.arms.values():
             arm.prune(now, self.cfg.forget_after_s)
-        if key.probing is None and settled and (why := self._probe_due(key, now)):
+        if key.probing is None and settled and (why := self._probe_due(key, now, kind, load)):
             self._start_probe(key, why)
         if key.probing is None:
             key.since_probe += 1
@@ -169,15 +187,28 @@ class ThreadTuner:
         self.forwards[self.current] += 1
         return self.current
 
-    def record(self, kind: str, tokens: int, threads: int, seconds: float, load: int = 0) -> None:
-        """The forward chosen for (kind, tokens, load) ran on `threads` threads in `seconds`."""
+    def record(
+        self, kind: str, tokens: int, threads: int, seconds: float, load: int = 0,
+        work: float | None = None,
+    ) -> None:
+        """The forward chosen for (kind, tokens, load) ran on `threads` threads in `seconds`.
+        `work`, when given, is the forward's cost in tokens' worth of the rest of the model (its
+        tokens plus what its attention over their context costs, see attention_work): the time
+        is scaled to its tokens' (seconds * tokens / work) before it is compared with the
+        key's other forwards. A long prompt's chunks share a key (2,048 tokens each) while
+        their attention grows with the context before them: measured on SmolLM2, 2.9, 4.5 and
+        6.2 s for the chunks of a 7,000-token prompt, which otherwise read as contention
+        (drift) and made the chunks' key look slower on whichever count ran later."""
         key = self._key(kind, tokens, load)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("tuner: %s of %d tokens on %d threads: %.1f ms (load %d)", kind, tokens,
-                         threads, 1e3 * seconds, load)
+            logger.debug("tuner: %s of %d tokens on %d threads: %.1f ms (load %d%s)", kind,
+                         tokens, threads, 1e3 * seconds, load,
+                         f", {work / tokens:.2f}x its tokens' work" if work else "")
         arm = key.arms.get(threads)
         if arm is None:
             return  # a count the tuner does not run (set from outside)
+        if work is not None and work > tokens > 0:
+            seconds *= tokens / work
         arm.samples.append((self.clock(), seconds))
         arm.measured = True
         if threads == key.probing:
@@ -205,7 +236,7 @@ class ThreadTuner:
             self.keys[k] = key
         return key
 
-    def _inherit(self, key: _Key, kind: str, bucket: int, load: int) -> None:
+    def _inherit(self, key: _Key, kind: str, bucket: int, load: int) -> bool:
         """A count that the nearest smaller decided key of the same kind and load, running the
         same best count, measured clearly slower (inherit_ratio) is not probed at once on a new
         larger key: it is taken as measured that much slower, so its first probe waits the gap
@@ -217,16 +248,17 @@ class ThreadTuner:
         donors = [
             (b, d) for (kd, b, ld), d in self.keys.items()
             if kd == kind and ld == load and b <= bucket and d.reference is not None
-            and d.best == key.best
+            and d.best == key.best and d is not key
         ]
         if not donors:
-            return
+            return False
         donor = max(donors, key=lambda bd: bd[0])[1]
         for n, ratio in donor.slowdown.items():
             if n != key.best and n in key.arms and ratio >= self.cfg.inherit_ratio:
                 key.arms[n].measured = True
                 key.slowdown[n] = ratio
                 key.gap = max(key.gap, self._gap(ratio))
+        return True
 
     def _prior(self, kind: str, bucket: int, load: int, settled: bool = False) -> int:
         """A new key starts on the best count of the nearest decided key: the same load level
@@ -260,8 +292,18 @@ class ThreadTuner:
             self.cfg.probe_seconds
         )
 
-    def _probe_due(self, key: _Key, now: float) -> str | None:
-        """Why the key's next forward is a probe (for the debug log), or None."""
+    def _probe_due(self, key: _Key, now: float, kind: str, load: int) -> str | None:
+        """Why the key's next forward is a probe (for the debug log), or None.
+
+        On a quiet host (load 0) a costly key (forwards of costly_probe_s or more: a large
+        prefill, a chunk of a long prompt) probes a never-measured count only once a smaller
+        key of its kind has decided: it then takes that key's clear slowdowns as measured
+        (_inherit) and probes the rest; until then it stays on its count. Measured on
+        SmolLM2 (quiet EPYC, a server's first requests 7,000-token prompts): the first
+        prompt's 2,048-token chunk key probed 1 thread, 8.9 s against 3.8 s, and the next
+        prompt's last-chunk key (1,024) 6.2 s against 3.3 s: 22.2 and 19.6 s for prompts
+        that take 16.9 s. Fewer threads win where other processes take cores, and those
+        forwards are keyed at their load level (> 0), where costly keys probe as before."""
         if key.drifted:  # contention came or went: do not wait for the gap
             return "drifted"
         best = key.arms[key.best]
@@ -269,7 +311,12 @@ class ThreadTuner:
             return None  # no estimate of the running count yet to compare a probe with
         others = [a for n, a in key.arms.items() if n != key.best]
         if any(not a.measured for a in others):
-            return "never measured"
+            costly = load == 0 and best.estimate(self.cfg.window) >= self.cfg.costly_probe_s
+            bucket = next(b for (kd, b, ld), v in self.keys.items() if v is key)
+            if costly and not self._inherit(key, kind, bucket, load):
+                return None
+            if any(not a.measured for a in others):
+                return "never measured"
         if key.since_probe < key.gap:
             return None
         if key.recheck:

@@ -292,7 +292,9 @@ def test_a_new_key_under_a_settled_load_starts_on_the_free_cores():
 
 def test_a_slow_forward_is_evidence_enough_on_its_own():
     clock = FakeClock()
-    tuner = ThreadTuner(2, clock)  # one large prefill per request burst: 18 s on 2, 10 s on 1
+    # one large prefill per request burst: 18 s on 2, 10 s on 1 (not a costly key here: on a
+    # quiet host those wait for a smaller key's evidence, see the test after next)
+    tuner = ThreadTuner(2, clock, TunerConfig(costly_probe_s=60.0))
     used = run(tuner, clock, fixed({1: 10.0, 2: 18.0}), 9, kind=EXTEND, tokens=2048)
     assert used == [2, 1, 1, 1, 1, 2, 1, 1, 1]  # the old count re-checked once, given up at once
 
@@ -489,7 +491,7 @@ def test_only_a_smaller_key_of_the_same_kind_and_load_with_a_clear_slowdown_is_i
         clock = FakeClock()
         tuner = ThreadTuner(2, clock)
         setup(tuner, clock)
-        return run(tuner, clock, fixed({1: 2.0, 2: 1.0}), 4, kind=kind, tokens=tokens, load=load)
+        return run(tuner, clock, fixed({1: 0.4, 2: 0.2}), 4, kind=kind, tokens=tokens, load=load)
 
     def small_prefills(times, tokens=24, load=0):
         return lambda t, c: run(t, c, fixed(times), 40, kind=EXTEND, tokens=tokens, load=load)
@@ -506,4 +508,69 @@ def test_only_a_smaller_key_of_the_same_kind_and_load_with_a_clear_slowdown_is_i
     tuner = ThreadTuner(2, clock)
     run(tuner, clock, fixed(clear), 40, kind=EXTEND, tokens=24, load=1)
     clock.now += 2.0
-    assert 1 in run(tuner, clock, fixed({1: 2.0, 2: 1.0}), 6, kind=EXTEND, tokens=1057, load=0)
+    assert 1 in run(tuner, clock, fixed({1: 0.4, 2: 0.2}), 6, kind=EXTEND, tokens=1057, load=0)
+
+
+def test_a_costly_key_on_a_quiet_host_waits_for_a_smaller_keys_evidence():
+    """A server's first requests 7,000-token SmolLM2 prompts (quiet EPYC): the 2,048-token
+    chunks' key probed 1 thread on its second forward, 8.9 s against 3.8 s. A key of forwards
+    of costly_probe_s or more probes a never-measured count only after a smaller key of its
+    kind decided, and takes that key's clear slowdown as measured."""
+    chunks = fixed({1: 7.0, 2: 3.0})
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    assert run(tuner, clock, chunks, 12, kind=EXTEND, tokens=2048) == [2] * 12
+    assert tuner.probes == 0
+    # a smaller prefill key that found 1 thread clearly slower: the large key takes it as
+    # measured and keeps 2 threads
+    run(tuner, clock, fixed({1: 0.060, 2: 0.035}), 40, kind=EXTEND, tokens=24)
+    probes = tuner.probes
+    assert run(tuner, clock, chunks, 12, kind=EXTEND, tokens=2048) == [2] * 12
+    assert tuner.probes == probes
+    # a smaller key that found the counts alike is no evidence: the large key probes
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    run(tuner, clock, fixed({1: 0.036, 2: 0.035}), 40, kind=EXTEND, tokens=24)
+    assert 1 in run(tuner, clock, chunks, 4, kind=EXTEND, tokens=2048)
+    # a cheaper key probes at once, and under load a costly one does too
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    assert 1 in run(tuner, clock, fixed({1: 0.7, 2: 0.5}), 4, kind=EXTEND, tokens=2048)
+    assert 1 in run(tuner, clock, fixed({1: 3.0, 2: 7.0}), 4, kind=EXTEND, tokens=2048, load=1)
+
+
+def test_pair_cost_and_attention_work():
+    cost = thread_tuner.pair_cost(576, 1536, 9, 3, 64)  # SmolLM2-135M
+    assert cost == pytest.approx(4 * 9 * 64 / (2 * (576 * 64 * 24 + 3 * 576 * 1536)))
+    assert thread_tuner.attention_work([0], [1], cost) == pytest.approx(1 + cost)
+    # a 2,048-token chunk after 4,096 cached tokens: each query attends to 4,096 + its own
+    work = thread_tuner.attention_work([4096, 0], [2048, 3], cost)
+    assert work == pytest.approx(2051 + cost * (2048 * (4096 + 1024.5) + 3 * 2))
+
+
+def test_a_long_prompts_chunks_are_compared_by_their_work():
+    """A long prompt's chunks share one key while each attends to more context (SmolLM2:
+    2.9, 4.5, 6.2 s for the 2,048-token chunks of a 7,000-token prompt), and one such forward
+    is evidence enough for a probe: a probe of 1 thread that lands on a prompt's first chunk
+    read faster than 2 threads' recent chunks and switched. Given each forward's work, the
+    key compares the forwards' tokens' share."""
+
+    def chunks(tuner, clock, with_work: bool) -> None:
+        for _ in range(60):  # 8,192-token prompts, four chunks each
+            for prefix in (0, 2048, 4096, 6144):
+                n = tuner.choose(EXTEND, 2048)
+                work = thread_tuner.attention_work([prefix], [2048], 3.3e-4)
+                seconds = {1: 1.3, 2: 1.0}[n] * work / 2048  # 1 thread 1.3x slower
+                clock.now += seconds
+                tuner.record(EXTEND, 2048, n, seconds, 0, work if with_work else None)
+
+    for with_work in (True, False):
+        clock = FakeClock()
+        tuner = ThreadTuner(2, clock, TunerConfig(costly_probe_s=60.0))
+        chunks(tuner, clock, with_work)
+        assert tuner.probes >= 5
+        if with_work:
+            assert tuner.switches == 0
+            assert tuner.stats()["keys"]["extend/2048@0"]["ms"]["2"] == pytest.approx(1000)
+        else:
+            assert tuner.switches > 0
