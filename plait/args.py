@@ -141,6 +141,12 @@ class ServerArgs:
         0.25, "fraction of free memory (RAM on CPU, GPU memory on CUDA) given to the KV pool"
     )
     chunked_prefill_size: int = _opt(2048, "maximum tokens prefilled in one step (chunked prefill)")
+    chunked_prefill_new_share: float = _opt(
+        0.5, "while a prompt longer than --chunked-prefill-size prefills chunk by chunk, this "
+        "share of each step's budget is kept for waiting requests whose prompts fit in it whole: "
+        "a short request starts beside the long prompt's next chunk instead of after its last "
+        "(0: the long prompt's chunks take the whole budget, as SGLang does)",
+    )
     kv_run_tokens: int = _opt(
         16, "KV slots a request sets aside for its next tokens when it allocates (taken only "
         "from free slots, given back before any allocation would fail), so that its decode "
@@ -378,6 +384,10 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static: must be in (0, 0.95], got {self.mem_fraction_static}")
         if not 0.0 <= self.queue_reserve_fraction < 1.0:
             raise ValueError("queue_reserve_fraction: must be in [0, 1)")
+        if not (isinstance(self.chunked_prefill_new_share, (int, float))
+                and 0.0 <= self.chunked_prefill_new_share < 1.0):
+            raise ValueError("chunked_prefill_new_share: must be in [0, 1), got "
+                             f"{self.chunked_prefill_new_share!r}")
         if self.request_timeout < 0:
             raise ValueError("request_timeout: must be >= 0 (0: no deadline)")
         if self.shutdown_grace < 0:

@@ -10,6 +10,9 @@ in plait.registry.SCHEDULE_POLICIES (the --schedule-policy choices). Retraction 
 takes the lowest priority first.
 Admission respects the prefill token budget (chunking the last request if needed), the
 running-request cap, and the KV memory reserved for the decode steps of running requests.
+While a long prompt prefills chunk by chunk, part of each step's budget goes to waiting
+requests that fit in it whole (--chunked-prefill-new-share), so a short request does not wait
+for the long prompt's last chunk.
 A request whose prompt shares a long uncached prefix with one already in the batch waits one
 step, so that prefix is computed once and then hit in the cache (in-batch prefix sharing).
 """
@@ -109,17 +112,24 @@ def admit(
     budget: int,
     max_new_reqs: int,
     reserve: int,
+    beside: Req | None = None,
 ) -> Admission:
-    """Admit requests from `ordered` (KV locked and allocated) until a limit is reached."""
+    """Admit requests from `ordered` (KV locked and allocated) until a limit is reached.
+    `beside`: a long prompt's chunk in the same forward, to be continued after it: then only
+    requests whose whole extend fits are admitted (the others wait for its last chunk), and
+    none that shares an uncached prefix with it."""
     out = Admission()
     for req in ordered:
         if budget <= 0 or len(out.reqs) >= max_new_reqs:
             break
-        if _shares_with_batch(req, out.reqs, kv):
+        if _shares_with_batch(req, out.reqs if beside is None else [beside, *out.reqs], kv):
             continue
         if not kv.admit(req):
             break
         ext = req.pending_len
+        if beside is not None and ext > budget:
+            kv.release(req)
+            continue
         chunk = min(ext, budget)
         own_reserve = min(req.remaining_new_tokens, RESERVE_CAP) if chunk == ext else 0
         if kv.available < chunk + reserve + own_reserve or not kv.alloc(req, chunk):

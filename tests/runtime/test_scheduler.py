@@ -223,6 +223,48 @@ def test_decoding_requests_ride_along_with_a_long_prompts_chunks(make_scheduler)
     assert len(out["long"]) == 4
 
 
+def test_a_short_request_starts_beside_a_long_prompts_chunks(make_scheduler):
+    """While a long prompt prefills chunk by chunk, a short request that arrives fits in the
+    share of the budget kept for waiting requests (--chunked-prefill-new-share) and starts in
+    the next forward, beside a chunk that is not the long prompt's last; one that shares the
+    long prompt's uncached tokens waits (they are computed once). Outputs are those alone."""
+    long_ids = [(7 * i) % 500 + 3 for i in range(300)]
+    short = list(range(10, 22))
+    sharing = long_ids[:90]  # 64 tokens cached after the first chunk, 26 shared uncached
+    alone = {}
+    for rid, ids in (("long", long_ids), ("short", short), ("sharing", sharing)):
+        s, io = make_scheduler(max_total_tokens=4096, chunked_prefill_size=64)
+        submit(io, rid, ids, max_new_tokens=6, ignore_eos=True)
+        drain(s)
+        alone[rid] = outputs(io)[rid]
+
+    for share in (0.5, 0.0):
+        s, io = make_scheduler(max_total_tokens=4096, chunked_prefill_size=64,
+                               chunked_prefill_new_share=share)
+        submit(io, "long", long_ids, max_new_tokens=6, ignore_eos=True)
+        s.step()  # the first chunk
+        submit(io, "sharing", sharing, max_new_tokens=6, ignore_eos=True)
+        submit(io, "short", short, max_new_tokens=6, ignore_eos=True)
+        started = {}  # rid -> whether "long" had chunks left after the forward it started in
+        run = s.run_batch
+
+        def spy(batch, run=run, started=started):
+            long_continues = any(r.rid == "long" and not smp
+                                 for r, smp in zip(batch.reqs, batch.samples_token))
+            for r, n, smp in zip(batch.reqs, batch.extend_lens, batch.samples_token):
+                if r.rid in ("short", "sharing") and smp and r.rid not in started:
+                    started[r.rid] = long_continues
+                    if long_continues:
+                        assert n == r.pending_len <= 32  # whole, within the share
+            run(batch)
+
+        s.run_batch = spy
+        drain(s)
+        assert outputs(io) == alone
+        assert started == {"short": share > 0, "sharing": False}, share
+        assert s.kv.used == 0
+
+
 def test_kv_runs_put_each_requests_decode_tokens_in_adjacent_slots(make_scheduler):
     """With --kv-run-tokens a decode batch's requests each read their KV as runs of adjacent
     slots (without, a step hands them consecutive slots in turn: 4 requests, 4 slots apart);
