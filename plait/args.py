@@ -141,6 +141,12 @@ class ServerArgs:
         0.25, "fraction of free memory (RAM on CPU, GPU memory on CUDA) given to the KV pool"
     )
     chunked_prefill_size: int = _opt(2048, "maximum tokens prefilled in one step (chunked prefill)")
+    disable_chunk_work_cap: bool = _opt(
+        False, "every chunk of a long prompt takes --chunked-prefill-size tokens (by default a "
+        "chunk after a long context is cut so that its work, its attention over the context "
+        "included, is at most what that many tokens cost with no context before them: each "
+        "forward, and the wait of every request beside it, stays as long as the first chunk's)",
+    )
     chunked_prefill_new_share: float = _opt(
         0.5, "while a prompt longer than --chunked-prefill-size prefills chunk by chunk, this "
         "share of each step's budget is kept for waiting requests whose prompts fit in it whole: "

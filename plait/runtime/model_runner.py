@@ -147,7 +147,9 @@ class ModelRunner:
         )
         self.decode_graphs = self._capture_decode_graphs(args)
         self.thread_tuner = _thread_tuner(args, self.device, self.tp)
-        self._pair_cost = pair_cost(cfg.hidden_size, cfg.intermediate_size,
+        # one query-key pair of attention in tokens' worth of the linears (thread_tuner's
+        # attention_work: the tuner's and the scheduler's measure of a forward's work)
+        self.pair_cost = pair_cost(cfg.hidden_size, cfg.intermediate_size,
                                     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.host_load = HostLoad()  # the tuner's load level: other processes' cores
         self.perf_clock: Callable[[], float] = time.perf_counter  # times the tuned forwards
@@ -403,7 +405,7 @@ class ModelRunner:
         # an extend's attention grows with the context before it (a long prompt's chunks);
         # a decode step's is bound by reading the KV and grows slowly, step by step
         work = None if kind == DECODE else attention_work(
-            inputs.prefix_lens, inputs.extend_lens, self._pair_cost)
+            inputs.prefix_lens, inputs.extend_lens, self.pair_cost)
         tuner.record(kind, tokens, threads, self.perf_clock() - start, load, work)
 
     def thread_stats(self) -> dict:

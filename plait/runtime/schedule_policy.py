@@ -20,6 +20,7 @@ step, so that prefix is computed once and then hit in the cache (in-batch prefix
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plait.registry import SCHEDULE_POLICIES
@@ -113,11 +114,13 @@ def admit(
     max_new_reqs: int,
     reserve: int,
     beside: Req | None = None,
+    chunk_cap: Callable[[int], int] | None = None,
 ) -> Admission:
     """Admit requests from `ordered` (KV locked and allocated) until a limit is reached.
     `beside`: a long prompt's chunk in the same forward, to be continued after it: then only
     requests whose whole extend fits are admitted (the others wait for its last chunk), and
-    none that shares an uncached prefix with it."""
+    none that shares an uncached prefix with it. `chunk_cap(prefix)`: the most tokens one
+    forward may extend a request by after `prefix` cached tokens (Scheduler._chunk_cap)."""
     out = Admission()
     for req in ordered:
         if budget <= 0 or len(out.reqs) >= max_new_reqs:
@@ -127,10 +130,10 @@ def admit(
         if not kv.admit(req):
             break
         ext = req.pending_len
-        if beside is not None and ext > budget:
+        chunk = min(ext, budget, chunk_cap(req.kv_len) if chunk_cap is not None else ext)
+        if beside is not None and chunk < ext:
             kv.release(req)
             continue
-        chunk = min(ext, budget)
         own_reserve = min(req.remaining_new_tokens, RESERVE_CAP) if chunk == ext else 0
         if kv.available < chunk + reserve + own_reserve or not kv.alloc(req, chunk):
             kv.release(req)

@@ -227,7 +227,8 @@ def test_a_short_request_starts_beside_a_long_prompts_chunks(make_scheduler):
     """While a long prompt prefills chunk by chunk, a short request that arrives fits in the
     share of the budget kept for waiting requests (--chunked-prefill-new-share) and starts in
     the next forward, beside a chunk that is not the long prompt's last; one that shares the
-    long prompt's uncached tokens waits (they are computed once). Outputs are those alone."""
+    long prompt's uncached tokens waits until the long prompt computed them. Outputs are those
+    alone. (Chunks of the whole budget: a chunk cut to its work leaves room of its own.)"""
     long_ids = [(7 * i) % 500 + 3 for i in range(300)]
     short = list(range(10, 22))
     sharing = long_ids[:90]  # 64 tokens cached after the first chunk, 26 shared uncached
@@ -240,12 +241,12 @@ def test_a_short_request_starts_beside_a_long_prompts_chunks(make_scheduler):
 
     for share in (0.5, 0.0):
         s, io = make_scheduler(max_total_tokens=4096, chunked_prefill_size=64,
-                               chunked_prefill_new_share=share)
+                               chunked_prefill_new_share=share, disable_chunk_work_cap=True)
         submit(io, "long", long_ids, max_new_tokens=6, ignore_eos=True)
         s.step()  # the first chunk
         submit(io, "sharing", sharing, max_new_tokens=6, ignore_eos=True)
         submit(io, "short", short, max_new_tokens=6, ignore_eos=True)
-        started = {}  # rid -> whether "long" had chunks left after the forward it started in
+        started = {}  # rid -> (whether "long" had chunks left after that forward, extend)
         run = s.run_batch
 
         def spy(batch, run=run, started=started):
@@ -253,7 +254,7 @@ def test_a_short_request_starts_beside_a_long_prompts_chunks(make_scheduler):
                                  for r, smp in zip(batch.reqs, batch.samples_token))
             for r, n, smp in zip(batch.reqs, batch.extend_lens, batch.samples_token):
                 if r.rid in ("short", "sharing") and smp and r.rid not in started:
-                    started[r.rid] = long_continues
+                    started[r.rid] = (long_continues, n)
                     if long_continues:
                         assert n == r.pending_len <= 32  # whole, within the share
             run(batch)
@@ -261,8 +262,44 @@ def test_a_short_request_starts_beside_a_long_prompts_chunks(make_scheduler):
         s.run_batch = spy
         drain(s)
         assert outputs(io) == alone
-        assert started == {"short": share > 0, "sharing": False}, share
+        assert started["short"] == (share > 0, len(short)), share
+        assert started["sharing"][1] <= len(sharing) - 80  # its shared tokens from the cache
         assert s.kv.used == 0
+
+
+def test_a_long_prompts_chunks_are_cut_to_the_first_chunks_work(make_scheduler):
+    """A chunk after a long context costs more (its attention over the context): each is cut
+    so that its work (thread_tuner.attention_work) is at most a context-free chunk's, unless
+    --disable-chunk-work-cap. The output is the same either way."""
+    from plait.runtime.thread_tuner import attention_work
+
+    long_ids = [(7 * i) % 500 + 3 for i in range(1200)]
+    chunks, outs = {}, {}
+    for disable in (False, True):
+        s, io = make_scheduler(max_total_tokens=4096, chunked_prefill_size=64,
+                               disable_chunk_work_cap=disable)
+        submit(io, "long", long_ids, max_new_tokens=4, ignore_eos=True)
+        seen, run = [], s.run_batch
+
+        def spy(batch, run=run, seen=seen):
+            seen += [(r.kv_len, n) for r, n in zip(batch.reqs, batch.extend_lens)
+                     if r.rid == "long" and r.kv_len < len(long_ids)]
+            run(batch)
+
+        s.run_batch = spy
+        drain(s)
+        chunks[disable], outs[disable] = seen, outputs(io)["long"]
+        assert sum(n for _, n in seen) == len(long_ids)
+        assert all(p + n == q for (p, n), (q, _) in itertools.pairwise(seen))
+    assert outs[False] == outs[True] and len(outs[False]) == 4
+    assert {n for _, n in chunks[True][:-1]} == {64}
+    cost = s.runner.pair_cost
+    first = attention_work([0], [64], cost)
+    capped = chunks[False]
+    assert capped[0] == (0, 64)
+    assert all(attention_work([p], [n], cost) <= first for p, n in capped)
+    assert all(attention_work([p], [n + 1], cost) > first for p, n in capped[:-1])  # the most
+    assert capped[-2][1] < 40 and len(capped) > len(chunks[True])
 
 
 def test_kv_runs_put_each_requests_decode_tokens_in_adjacent_slots(make_scheduler):
