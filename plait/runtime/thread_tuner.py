@@ -309,6 +309,13 @@ class ThreadTuner:
         best = key.arms[key.best]
         if not best.samples or not self._enough(best, self.cfg.window):
             return None  # no estimate of the running count yet to compare a probe with
+        if len(best.samples) < 2 and best.samples[0][1] < self.cfg.costly_probe_s:
+            # one forward, however long, may have paid one-off costs (the faster of two is
+            # the estimate, see _Arm.estimate). Measured: a judge run's first batch-64 decode
+            # step took 266.5 ms on 2 threads, enough evidence by its time; a probe of 1
+            # thread read 227-231 ms and switched the key, and the steps after and the
+            # batch-32 key that started from it ran on 1 thread (88 ms against 50)
+            return None
         others = [a for n, a in key.arms.items() if n != key.best]
         if any(not a.measured for a in others):
             costly = load == 0 and best.estimate(self.cfg.window) >= self.cfg.costly_probe_s

@@ -292,25 +292,25 @@ def test_a_new_key_under_a_settled_load_starts_on_the_free_cores():
 
 def test_a_slow_forward_is_evidence_enough_on_its_own():
     clock = FakeClock()
-    # one large prefill per request burst: 18 s on 2, 10 s on 1 (not a costly key here: on a
-    # quiet host those wait for a smaller key's evidence, see the test after next)
-    tuner = ThreadTuner(2, clock, TunerConfig(costly_probe_s=60.0))
-    used = run(tuner, clock, fixed({1: 10.0, 2: 18.0}), 9, kind=EXTEND, tokens=2048)
+    # one large prefill per request burst beside a competitor (load 1): 18 s on 2, 10 s on 1
+    tuner = ThreadTuner(2, clock)
+    used = run(tuner, clock, fixed({1: 10.0, 2: 18.0}), 9, kind=EXTEND, tokens=2048, load=1)
     assert used == [2, 1, 1, 1, 1, 2, 1, 1, 1]  # the old count re-checked once, given up at once
 
 
 def test_a_one_off_cost_in_a_keys_first_forward_does_not_hold_it_on_the_slower_count():
     """The first forward on the best count paid a one-off set-up (0.58 s where the forward
-    takes 25 ms): its estimate is enough evidence on its own (a slow forward), so the probe of
-    1 thread (45 ms) switches; the old count is re-measured after the shortest gap, not after
-    the ~200 forwards that its 13x-slower reading would space probes by, nor after min_gap."""
+    takes 25 ms): one forward under costly_probe_s is not evidence enough however long, so the
+    probe of 1 thread (45 ms) waits for a second (the faster of two is the estimate) and does
+    not switch. (Before, the probe switched, and the old count was re-measured only after
+    recheck_gap forwards: a judge run's batch-64 decode key ran on 1 thread, 227 ms a step
+    against ~130, and the batch-32 key started from it.)"""
     clock = FakeClock()
     tuner = ThreadTuner(2, clock)
     cost = first_forward_costs({1: 0.045, 2: 0.025}, 2, 0.58)
     used = run(tuner, clock, cost, 60, kind=EXTEND, tokens=12)
-    assert used[:4] == [2, 1, 1, 1] and tuner.switches == 2
-    assert used.index(2, 1) <= 1 + 3 + tuner.cfg.recheck_gap + 1
-    assert used[-30:].count(2) >= 29  # (at most the one-forward re-check of 1 after the switch)
+    assert used[:5] == [2, 2, 1, 1, 1] and tuner.switches == 0
+    assert used[5:].count(2) == 55
 
 
 def test_two_forwards_one_of_them_paying_a_one_off_cost_do_not_switch_to_a_slower_count():
@@ -556,8 +556,8 @@ def test_a_long_prompts_chunks_are_compared_by_their_work():
     key compares the forwards' tokens' share."""
 
     def chunks(tuner, clock, with_work: bool) -> None:
-        for _ in range(60):  # 8,192-token prompts, four chunks each
-            for prefix in (0, 2048, 4096, 6144):
+        for _ in range(100):  # 6,144-token prompts, three chunks each
+            for prefix in (0, 2048, 4096):
                 n = tuner.choose(EXTEND, 2048)
                 work = thread_tuner.attention_work([prefix], [2048], 3.3e-4)
                 seconds = {1: 1.3, 2: 1.0}[n] * work / 2048  # 1 thread 1.3x slower
