@@ -397,7 +397,7 @@ class ModelRunner:
         kind = DECODE if inputs.mode is ForwardMode.DECODE else EXTEND
         tokens = len(inputs.input_ids)
         load = self.host_load.level(tuner.max_threads)
-        threads = tuner.choose(kind, tokens, load)
+        threads = tuner.choose(kind, tokens, load, self.host_load.stale)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # ~0.1 us: OpenMP resizes its team lazily
         start = self.perf_clock()

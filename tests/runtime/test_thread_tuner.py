@@ -574,3 +574,39 @@ def test_a_long_prompts_chunks_are_compared_by_their_work():
             assert tuner.stats()["keys"]["extend/2048@0"]["ms"]["2"] == pytest.approx(1000)
         else:
             assert tuner.switches > 0
+
+
+def test_a_stale_load_level_is_not_settled():
+    """HostLoad keeps its last level over a gap in which the engine sat idle (and says so:
+    `stale`). A forward on such a reading does not take the settled rule (a new key under a
+    held load on the free cores): the forwards after it measure the level again."""
+    clock = FakeClock()
+    tuner = ThreadTuner(2, clock)
+    run(tuner, clock, fixed({1: 0.09, 2: 0.05}), 40, kind=DECODE, tokens=32, load=0)
+    tuner.choose(DECODE, 32, load=1)  # a competitor appears and holds ...
+    clock.now += 2.0
+    assert tuner.choose(EXTEND, 1024, load=1) == 1  # ... settled: the free core
+    clock.now += 30.0  # the engine idle; the reader still says 1, stale
+    assert tuner.choose(EXTEND, 2048, load=1, stale=True) == 2  # the nearest key's count
+    clock.now += 2.0
+    assert tuner.choose(EXTEND, 4096, load=1) == 1  # measured again and held: settled
+
+
+def test_host_load_says_when_its_level_is_stale():
+    clock, busy, own = FakeClock(), [0.0], [0.0]
+    load = HostLoad(host_busy=lambda: busy[0], own_cpu=lambda: own[0], clock=clock)
+    load.level(2)
+    for _ in range(10):  # another process on one core while the engine works
+        clock.now += 0.1
+        busy[0] += 0.2
+        own[0] += 0.1
+        load.level(2)
+    assert load.level(2) == 1 and not load.stale
+    clock.now += 5.0  # the engine idle
+    busy[0] += 10.0
+    assert load.level(2) == 1 and load.stale  # kept, but stale
+    clock.now += 0.1
+    busy[0] += 0.1
+    own[0] += 0.1
+    load.level(2)
+    assert not load.stale
