@@ -182,7 +182,9 @@ class ThreadTuner:
         key = self._key(kind, tokens, load, settled)
         for arm in key.arms.values():
             arm.prune(now, self.cfg.forget_after_s)
-        if key.probing is None and settled and (why := self._probe_due(key, now, kind, load)):
+        bucket = size_bucket(tokens)
+        if key.probing is None and settled and (why := self._probe_due(key, now, kind, bucket,
+                                                                        load)):
             self._start_probe(key, why)
         if key.probing is None:
             key.since_probe += 1
@@ -201,8 +203,10 @@ class ThreadTuner:
         is scaled to its tokens' (seconds * tokens / work) before it is compared with the
         key's other forwards. A long prompt's chunks share a key (2,048 tokens each) while
         their attention grows with the context before them: measured on SmolLM2, 2.9, 4.5 and
-        6.2 s for the chunks of a 7,000-token prompt, which otherwise read as contention
-        (drift) and made the chunks' key look slower on whichever count ran later."""
+        6.2 s for the chunks of a 7,000-token prompt. Compared as raw times, a probe forward
+        on a prompt's first chunk reads faster than the running count's later chunks and
+        switches the key (tests/runtime/test_thread_tuner.py: 8 wrong switches over 100
+        three-chunk prompts, none compared by work)."""
         key = self._key(kind, tokens, load)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("tuner: %s of %d tokens on %d threads: %.1f ms (load %d%s)", kind,
@@ -296,7 +300,7 @@ class ThreadTuner:
             self.cfg.probe_seconds
         )
 
-    def _probe_due(self, key: _Key, now: float, kind: str, load: int) -> str | None:
+    def _probe_due(self, key: _Key, now: float, kind: str, bucket: int, load: int) -> str | None:
         """Why the key's next forward is a probe (for the debug log), or None.
 
         On a quiet host (load 0) a costly key (forwards of costly_probe_s or more: a large
@@ -323,7 +327,6 @@ class ThreadTuner:
         others = [a for n, a in key.arms.items() if n != key.best]
         if any(not a.measured for a in others):
             costly = load == 0 and best.estimate(self.cfg.window) >= self.cfg.costly_probe_s
-            bucket = next(b for (kd, b, ld), v in self.keys.items() if v is key)
             if costly and not self._inherit(key, kind, bucket, load):
                 return None
             if any(not a.measured for a in others):
