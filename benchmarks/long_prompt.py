@@ -13,7 +13,11 @@ the first and only token: its TTFT, queueing included) and the streamed request'
 between two tokens (the longest forward it rode along in). Engines, each its own
 server started for its turn, run one after the other (never side by side):
   plait          plait serve, default settings (--chunked-prefill-new-share 0.5: half of each
-                 forward's budget kept for waiting requests that fit in it whole)
+                 forward's budget kept for waiting requests that fit in it whole;
+                 --chunked-prefill-beside-size 512: the long prompt's chunks 512 tokens' work
+                 while other requests run or wait)
+  plait-beside0  plait serve --chunked-prefill-beside-size 0 (whole-budget chunks however many
+                 requests run beside them)
   plait-share0   plait serve --chunked-prefill-new-share 0 (the long prompt's chunks take the
                  whole budget, as SGLang schedules them)
   plait-chunk512 plait serve --chunked-prefill-size 512 (shorter forwards)
@@ -42,6 +46,7 @@ from benchmarks.run import LOGS, RESULTS, Server, _free_port
 
 PLAIT_VARIANTS = {
     "plait": {},
+    "plait-beside0": {"chunked_prefill_beside_size": 0},
     "plait-share0": {"chunked_prefill_new_share": 0.0},
     "plait-chunk512": {"chunked_prefill_size": 512},
     "plait-nocap": {"disable_chunk_work_cap": True},

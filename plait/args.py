@@ -147,6 +147,13 @@ class ServerArgs:
         "included, is at most what that many tokens cost with no context before them: each "
         "forward, and the wait of every request beside it, stays as long as the first chunk's)",
     )
+    chunked_prefill_beside_size: int = _opt(
+        512, "while other requests run or wait, a prompt longer than --chunked-prefill-size "
+        "prefills in chunks of at most this many tokens' work (the work cap then cuts them as "
+        "the context grows), so that the streams riding along and the requests starting beside "
+        "it wait for a short forward, not a whole budget's (0: the whole budget, as SGLang and "
+        "vLLM do); a long prompt alone takes whole-budget chunks",
+    )
     chunked_prefill_new_share: float = _opt(
         0.5, "while a prompt longer than --chunked-prefill-size prefills chunk by chunk, this "
         "share of each step's budget is kept for waiting requests whose prompts fit in it whole: "
@@ -390,6 +397,11 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static: must be in (0, 0.95], got {self.mem_fraction_static}")
         if not 0.0 <= self.queue_reserve_fraction < 1.0:
             raise ValueError("queue_reserve_fraction: must be in [0, 1)")
+        if not isinstance(self.chunked_prefill_beside_size, int) or isinstance(
+            self.chunked_prefill_beside_size, bool
+        ) or self.chunked_prefill_beside_size < 0:
+            raise ValueError("chunked_prefill_beside_size: must be an integer >= 0, got "
+                             f"{self.chunked_prefill_beside_size!r}")
         if not (isinstance(self.chunked_prefill_new_share, (int, float))
                 and 0.0 <= self.chunked_prefill_new_share < 1.0):
             raise ValueError("chunked_prefill_new_share: must be in [0, 1), got "

@@ -114,13 +114,13 @@ def admit(
     max_new_reqs: int,
     reserve: int,
     beside: Req | None = None,
-    chunk_cap: Callable[[int], int] | None = None,
+    chunk_cap: Callable[[Req], int] | None = None,
 ) -> Admission:
     """Admit requests from `ordered` (KV locked and allocated) until a limit is reached.
     `beside`: a long prompt's chunk in the same forward, to be continued after it: then only
     requests whose whole extend fits are admitted (the others wait for its last chunk), and
-    none that shares an uncached prefix with it. `chunk_cap(prefix)`: the most tokens one
-    forward may extend a request by after `prefix` cached tokens (Scheduler._chunk_cap)."""
+    none that shares an uncached prefix with it. `chunk_cap(req)`: the most tokens one
+    forward may extend req by (Scheduler._chunk_limit)."""
     out = Admission()
     for req in ordered:
         if budget <= 0 or len(out.reqs) >= max_new_reqs:
@@ -130,7 +130,7 @@ def admit(
         if not kv.admit(req):
             break
         ext = req.pending_len
-        chunk = min(ext, budget, chunk_cap(req.kv_len) if chunk_cap is not None else ext)
+        chunk = min(ext, budget, chunk_cap(req) if chunk_cap is not None else ext)
         if beside is not None and chunk < ext:
             kv.release(req)
             continue

@@ -366,7 +366,7 @@ class Scheduler:
             # request starts now, not after the long prompt's last chunk (a 7,000-token
             # SmolLM2 prompt in 2,048-token chunks: "hi" waited 14-22 s)
             n = min(req.pending_len, budget - self._new_share(budget),
-                    self._chunk_cap(req.kv_len))
+                    self._chunk_limit(req, bool(self.running or self.waiting), True))
             if self.kv.alloc(req, n):
                 reqs.append(req)
                 lens.append(n)
@@ -390,7 +390,9 @@ class Scheduler:
             room = self.args.max_running_requests - len(self.running) - len(reqs)
             ordered = policy.order_waiting(self.waiting, self.args.schedule_policy, self.kv)
             reserve = policy.decode_reserve(self.running, self.ratio.value)
-            adm = policy.admit(ordered, self.kv, budget, room, reserve, beside, self._chunk_cap)
+            others = bool(self.running or reqs or len(self.waiting) > 1)
+            adm = policy.admit(ordered, self.kv, budget, room, reserve, beside,
+                               lambda r: self._chunk_limit(r, others))
             for req in adm.reqs:
                 self.waiting.remove(req)
             reqs += adm.reqs
@@ -414,15 +416,29 @@ class Scheduler:
         samples_token = [self.chunked is not r for r in reqs]
         return Batch(ForwardMode.EXTEND, reqs, lens, samples_token)
 
-    def _chunk_cap(self, prefix: int) -> int:
+    def _chunk_limit(self, req: Req, others: bool, continued: bool = False) -> int:
+        """The most tokens of req's pending extend one forward takes: a long prompt (more
+        pending tokens than the budget, or `continued` from a chunk) gets
+        --chunked-prefill-beside-size tokens' work when `others` (requests running or waiting
+        beside it), else the budget's; cut to its work either way (_chunk_cap). A 7,000-token
+        SmolLM2 prompt's 2,048-token chunks took ~3 s each, and a stream riding along waited
+        that long for each of its tokens, a short request as long to start."""
+        size = self.args.chunked_prefill_size
+        small = self.args.chunked_prefill_beside_size
+        if others and 0 < small < size and (continued or req.pending_len > size):
+            size = small
+        return self._chunk_cap(req.kv_len, size)
+
+    def _chunk_cap(self, prefix: int, size: int | None = None) -> int:
         """The most tokens one forward extends a request by after `prefix` cached tokens: as
-        many as --chunked-prefill-size tokens with no context cost in all (the linears and the
-        causal attention over the prefix and the chunk itself: thread_tuner.attention_work).
+        many as `size` (default --chunked-prefill-size) tokens with no context cost in all (the
+        linears and the causal attention over the prefix and the chunk itself:
+        thread_tuner.attention_work).
         SmolLM2's 2,048-token chunks of a 7,000-token prompt took 2.9, 4.5 and 6.4 s, each
         forward and each request riding along in it waiting longer the further the prompt
         got; capped, the chunks after 2,048, 4,096 and 6,144 tokens take 1,436, 1,086 and
         870 tokens (--disable-chunk-work-cap: all 2,048)."""
-        budget = self.args.chunked_prefill_size
+        budget = size or self.args.chunked_prefill_size
         cost = self.runner.pair_cost
         if self.args.disable_chunk_work_cap or cost <= 0:
             return budget

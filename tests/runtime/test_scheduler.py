@@ -302,6 +302,43 @@ def test_a_long_prompts_chunks_are_cut_to_the_first_chunks_work(make_scheduler):
     assert capped[-2][1] < 40 and len(capped) > len(chunks[True])
 
 
+def test_a_long_prompt_takes_short_chunks_beside_other_requests(make_scheduler):
+    """While another request runs (a stream decoding), a prompt longer than the budget
+    prefills in chunks of --chunked-prefill-beside-size tokens' work, so the stream's tokens,
+    riding along, each wait for a short forward; alone, or with the size 0, it takes
+    whole-budget chunks. The long prompt's output is the same every way."""
+    long_ids = [(7 * i) % 500 + 3 for i in range(300)]
+    chunks, outs = {}, {}
+    for beside, stream in ((16, True), (0, True), (16, False)):
+        s, io = make_scheduler(max_total_tokens=4096, chunked_prefill_size=64,
+                               chunked_prefill_beside_size=beside, disable_chunk_work_cap=True)
+        if stream:
+            submit(io, "stream", list(range(10, 22)), max_new_tokens=200, ignore_eos=True)
+            s.step()  # its prefill: it decodes from here on
+        submit(io, "long", long_ids, max_new_tokens=4, ignore_eos=True)
+        seen, rode, run = [], [], s.run_batch
+
+        def spy(batch, run=run, seen=seen, rode=rode):
+            ids = [r.rid for r in batch.reqs]
+            if "long" in ids:
+                i = ids.index("long")
+                if batch.reqs[i].kv_len < len(long_ids):
+                    seen.append(batch.extend_lens[i])
+                    rode.append("stream" in ids)
+            run(batch)
+
+        s.run_batch = spy
+        drain(s)
+        chunks[beside, stream], outs[beside, stream] = seen, outputs(io)["long"]
+        assert sum(seen) == len(long_ids) and s.kv.used == 0
+        assert all(rode[:-1]) == stream  # the stream's token in every chunk's forward but
+        # the last's (the stream then decodes with the long prompt's first token)
+    assert chunks[16, True] == [16] * 18 + [12]
+    assert chunks[0, True] == [63] * 4 + [48]  # one token of each budget is the stream's
+    assert chunks[16, False] == [64] * 4 + [44]
+    assert outs[16, True] == outs[0, True] == outs[16, False] and len(outs[16, True]) == 4
+
+
 def test_kv_runs_put_each_requests_decode_tokens_in_adjacent_slots(make_scheduler):
     """With --kv-run-tokens a decode batch's requests each read their KV as runs of adjacent
     slots (without, a step hands them consecutive slots in turn: 4 requests, 4 slots apart);
