@@ -16,6 +16,7 @@ server started for its turn, run one after the other (never side by side):
                  forward's budget kept for waiting requests that fit in it whole;
                  --chunked-prefill-beside-size 512: the long prompt's chunks 512 tokens' work
                  while other requests run or wait)
+  plait-beside1024  plait serve --chunked-prefill-beside-size 1024
   plait-beside0  plait serve --chunked-prefill-beside-size 0 (whole-budget chunks however many
                  requests run beside them)
   plait-share0   plait serve --chunked-prefill-new-share 0 (the long prompt's chunks take the
@@ -46,6 +47,7 @@ from benchmarks.run import LOGS, RESULTS, Server, _free_port
 
 PLAIT_VARIANTS = {
     "plait": {},
+    "plait-beside1024": {"chunked_prefill_beside_size": 1024},
     "plait-beside0": {"chunked_prefill_beside_size": 0},
     "plait-share0": {"chunked_prefill_new_share": 0.0},
     "plait-chunk512": {"chunked_prefill_size": 512},

@@ -98,9 +98,12 @@ class TunerConfig:
     # a new key takes as measured a count that the nearest smaller key of its kind and load,
     # on the same best count, measured at least this many times slower (see _inherit)
     inherit_ratio: float = 1.25
-    # on a quiet host (load 0) a key whose forwards take this long does not probe a
-    # never-measured count before a smaller key of its kind has measured it (see _probe_due)
-    costly_probe_s: float = 1.0
+    # on a quiet host (load 0) a key whose forwards take this long probes only more threads
+    # than its best (see _alternatives)
+    costly_probe_s: float = 0.3
+    # one forward of the running count is evidence enough for a probe only from this long on
+    # (see _probe_due)
+    one_forward_evidence_s: float = 1.0
 
 
 @dataclass
@@ -146,6 +149,7 @@ class _Key:
     recheck: bool = False  # probe again after the gap (the last probe switched or was void)
     # each other count's time over the best's at its last probe (the old best's after a switch)
     slowdown: dict[int, float] = field(default_factory=dict)
+    last_s: float = 0.0  # the last forward's seconds on the best count (not scaled by work)
 
 
 class ThreadTuner:
@@ -182,10 +186,8 @@ class ThreadTuner:
         key = self._key(kind, tokens, load, settled)
         for arm in key.arms.values():
             arm.prune(now, self.cfg.forget_after_s)
-        bucket = size_bucket(tokens)
-        if key.probing is None and settled and (why := self._probe_due(key, now, kind, bucket,
-                                                                        load)):
-            self._start_probe(key, why)
+        if key.probing is None and settled and (why := self._probe_due(key, now, load)):
+            self._start_probe(key, why, load)
         if key.probing is None:
             key.since_probe += 1
         self.current = key.probing if key.probing is not None else key.best
@@ -215,6 +217,8 @@ class ThreadTuner:
         arm = key.arms.get(threads)
         if arm is None:
             return  # a count the tuner does not run (set from outside)
+        if threads == key.best:
+            key.last_s = seconds
         if work is not None and work > tokens > 0:
             seconds *= tokens / work
         arm.samples.append((self.clock(), seconds))
@@ -244,7 +248,7 @@ class ThreadTuner:
             self.keys[k] = key
         return key
 
-    def _inherit(self, key: _Key, kind: str, bucket: int, load: int) -> bool:
+    def _inherit(self, key: _Key, kind: str, bucket: int, load: int) -> None:
         """A count that the nearest smaller decided key of the same kind and load, running the
         same best count, measured clearly slower (inherit_ratio) is not probed at once on a new
         larger key: it is taken as measured that much slower, so its first probe waits the gap
@@ -259,14 +263,13 @@ class ThreadTuner:
             and d.best == key.best and d is not key
         ]
         if not donors:
-            return False
+            return
         donor = max(donors, key=lambda bd: bd[0])[1]
         for n, ratio in donor.slowdown.items():
             if n != key.best and n in key.arms and ratio >= self.cfg.inherit_ratio:
                 key.arms[n].measured = True
                 key.slowdown[n] = ratio
                 key.gap = max(key.gap, self._gap(ratio))
-        return True
 
     def _prior(self, kind: str, bucket: int, load: int, settled: bool = False) -> int:
         """A new key starts on the best count of the nearest decided key: the same load level
@@ -300,37 +303,41 @@ class ThreadTuner:
             self.cfg.probe_seconds
         )
 
-    def _probe_due(self, key: _Key, now: float, kind: str, bucket: int, load: int) -> str | None:
-        """Why the key's next forward is a probe (for the debug log), or None.
+    def _alternatives(self, key: _Key, load: int) -> list[int]:
+        """The counts a probe of the key may try: all but its best, except on a quiet host
+        (load 0) for a costly key (forwards of costly_probe_s or more, their own time: a large
+        prefill, a chunk of a long prompt), which tries only more threads than its best. On a
+        quiet host more threads win on such forwards (SmolLM2 on the 2-core EPYC: 3.8 s
+        against 8.9 for a 2,048-token chunk, 0.7 s against 1.1-1.3 for one of 512 tokens'
+        work) and a probe of fewer costs every request riding along: the first 7,000-token
+        prompts took 22.2 and 19.6 s where they take 16.9, and a stream beside a long
+        prompt's short chunks waited 1.1-1.3 s for its token at each of three to five
+        probes. Fewer threads win where other processes take cores, and those forwards are
+        keyed at their load level (> 0), where every count is probed."""
+        best = key.arms[key.best]
+        costly = load == 0 and max(key.last_s, best.estimate(self.cfg.window) or 0.0) >= (
+            self.cfg.costly_probe_s)
+        return [n for n in key.arms if n != key.best and (n > key.best or not costly)]
 
-        On a quiet host (load 0) a costly key (forwards of costly_probe_s or more: a large
-        prefill, a chunk of a long prompt) probes a never-measured count only once a smaller
-        key of its kind has decided: it then takes that key's clear slowdowns as measured
-        (_inherit) and probes the rest; until then it stays on its count. Measured on
-        SmolLM2 (quiet EPYC, a server's first requests 7,000-token prompts): the first
-        prompt's 2,048-token chunk key probed 1 thread, 8.9 s against 3.8 s, and the next
-        prompt's last-chunk key (1,024) 6.2 s against 3.3 s: 22.2 and 19.6 s for prompts
-        that take 16.9 s. Fewer threads win where other processes take cores, and those
-        forwards are keyed at their load level (> 0), where costly keys probe as before."""
+    def _probe_due(self, key: _Key, now: float, load: int) -> str | None:
+        """Why the key's next forward is a probe (for the debug log), or None."""
         if key.drifted:  # contention came or went: do not wait for the gap
             return "drifted"
         best = key.arms[key.best]
         if not best.samples or not self._enough(best, self.cfg.window):
             return None  # no estimate of the running count yet to compare a probe with
-        if len(best.samples) < 2 and best.samples[0][1] < self.cfg.costly_probe_s:
+        if len(best.samples) < 2 and best.samples[0][1] < self.cfg.one_forward_evidence_s:
             # one forward, however long, may have paid one-off costs (the faster of two is
             # the estimate, see _Arm.estimate). Measured: a judge run's first batch-64 decode
             # step took 266.5 ms on 2 threads, enough evidence by its time; a probe of 1
             # thread read 227-231 ms and switched the key, and the steps after and the
             # batch-32 key that started from it ran on 1 thread (88 ms against 50)
             return None
-        others = [a for n, a in key.arms.items() if n != key.best]
+        others = [key.arms[n] for n in self._alternatives(key, load)]
+        if not others:
+            return None
         if any(not a.measured for a in others):
-            costly = load == 0 and best.estimate(self.cfg.window) >= self.cfg.costly_probe_s
-            if costly and not self._inherit(key, kind, bucket, load):
-                return None
-            if any(not a.measured for a in others):
-                return "never measured"
+            return "never measured"
         if key.since_probe < key.gap:
             return None
         if key.recheck:
@@ -339,14 +346,17 @@ class ThreadTuner:
             return "stale"
         return "interval" if key.since_probe >= self.cfg.max_interval else None
 
-    def _start_probe(self, key: _Key, why: str) -> None:
-        """Probe the alternative measured longest ago (never measured first). A probe forward
+    def _start_probe(self, key: _Key, why: str, load: int) -> None:
+        """Probe the alternative measured longest ago (never measured first; after a drift
+        any count, else one of _alternatives). A probe forward
         clearly slower than the best ends the probe (give_up_ratio), except the first forward
         on a count that no forward has run yet, in any key: it pays the count's one-off set-up
         costs. (Once per key before, so every new size probed a far slower count for all of
         probe_forwards: a workload's tail draining to 4, 2, 1 requests met a new key every few
         forwards, 3 forwards of 1 thread each, ~15 ms apiece, on a quiet host.)"""
-        alt = min((n for n in key.arms if n != key.best), key=lambda n: key.arms[n].newest())
+        alts = self._alternatives(key, load) if why != "drifted" else []
+        alt = min(alts or (n for n in key.arms if n != key.best),
+                  key=lambda n: key.arms[n].newest())
         key.may_give_up = key.arms[alt].measured or self.forwards[alt] > 0
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("tuner: probe %s threads on %s, %s (best %s: %s)", alt,
