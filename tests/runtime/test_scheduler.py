@@ -305,14 +305,15 @@ def test_a_long_prompts_chunks_are_cut_to_the_first_chunks_work(make_scheduler):
 def test_a_long_prompt_takes_short_chunks_beside_other_requests(make_scheduler):
     """While another request runs (a stream decoding), a prompt longer than the budget
     prefills in chunks of --chunked-prefill-beside-size tokens' work, so the stream's tokens,
-    riding along, each wait for a short forward; alone, or with the size 0, it takes
-    whole-budget chunks. The long prompt's output is the same every way."""
+    riding along, each wait for a short forward; alone, beside another long prompt (which
+    starts after its last chunk either way), or with the size 0, it takes whole-budget
+    chunks. The long prompt's output is the same every way."""
     long_ids = [(7 * i) % 500 + 3 for i in range(300)]
     chunks, outs = {}, {}
-    for beside, stream in ((16, True), (0, True), (16, False)):
+    for beside, stream in ((16, True), (0, True), (16, False), (16, None), (16, "short")):
         s, io = make_scheduler(max_total_tokens=4096, chunked_prefill_size=64,
                                chunked_prefill_beside_size=beside, disable_chunk_work_cap=True)
-        if stream:
+        if stream is True:
             submit(io, "stream", list(range(10, 22)), max_new_tokens=200, ignore_eos=True)
             s.step()  # its prefill: it decodes from here on
         submit(io, "long", long_ids, max_new_tokens=4, ignore_eos=True)
@@ -328,15 +329,25 @@ def test_a_long_prompt_takes_short_chunks_beside_other_requests(make_scheduler):
             run(batch)
 
         s.run_batch = spy
+        if stream is None:
+            submit(io, "long2", long_ids[::-1], max_new_tokens=4, ignore_eos=True)
+        if stream == "short":  # one waits during the first chunk, for one token
+            s.step()
+            submit(io, "short", list(range(30, 42)), max_new_tokens=1)
         drain(s)
         chunks[beside, stream], outs[beside, stream] = seen, outputs(io)["long"]
         assert sum(seen) == len(long_ids) and s.kv.used == 0
-        assert all(rode[:-1]) == stream  # the stream's token in every chunk's forward but
-        # the last's (the stream then decodes with the long prompt's first token)
+        assert all(rode[:-1]) == (stream is True)  # the stream's token in every chunk's forward
+        # but the last's (the stream then decodes with the long prompt's first token)
     assert chunks[16, True] == [16] * 18 + [12]
     assert chunks[0, True] == [63] * 4 + [48]  # one token of each budget is the stream's
-    assert chunks[16, False] == [64] * 4 + [44]
-    assert outs[16, True] == outs[0, True] == outs[16, False] and len(outs[16, True]) == 4
+    assert chunks[16, False] == chunks[16, None] == [64] * 4 + [44]
+    # the short request's forward: a short chunk beside it (the forwards before and after,
+    # the long prompt alone: whole-budget chunks)
+    assert chunks[16, "short"] == [64, 16, 64, 64, 64, 28]
+    assert outs[16, True] == outs[0, True] == outs[16, False] == outs[16, None]
+    assert outs[16, None] == outs[16, "short"]
+    assert len(outs[16, True]) == 4
 
 
 def test_kv_runs_put_each_requests_decode_tokens_in_adjacent_slots(make_scheduler):
