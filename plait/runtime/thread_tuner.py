@@ -14,7 +14,8 @@ beside a competitor is compared with forwards beside one, and a rare forward (a 
 starts on what its load level learnt even when contention changed since it last ran. Per key
 the tuner runs the count that measured fastest (median of its recent forwards; the faster of
 two when it has only two) and probes the alternatives: when one was never measured, when its
-estimate is older than `stale_after_s` (or `max_interval` forwards passed), and at once when
+estimate is older than `stale_after_s` of forward time (or `max_interval` forwards passed),
+and at once when
 the running count's time jumped or drifted and stayed so over a few re-measured forwards (a
 stall of a few forwards is no change); probes of a count measured k times slower are spaced so
 that they cost about `probe_budget` of the time, and one far slower stops after a single
@@ -79,8 +80,13 @@ class TunerConfig:
     min_gap: int = 16  # forwards on the best count between two probes of a key, at least
     recheck_gap: int = 3  # ... except after a switch: the old count is re-measured this soon
     max_interval: int = 256  # past the gap, a probe every this many forwards, or sooner ...
-    stale_after_s: float = 5.0  # ... when an estimate is older than this (contention changed)
-    forget_after_s: float = 60.0  # samples older than this no longer count at all
+    # ... when an estimate is older than this (contention changed). Ages count the engine's
+    # forward time, not the clock's: an idle engine learns nothing new, and a host's load
+    # that changed meanwhile is another load level (HostLoad) or a drift (below). By the
+    # clock, every burst after 5 s idle re-probed each key it met (a tree-of-thought run of
+    # 2.3 s: 3-5 of its 31 forwards on 1 thread, most of them stale probes)
+    stale_after_s: float = 5.0
+    forget_after_s: float = 60.0  # samples older than this (forward time) no longer count
     probe_budget: float = 0.03  # probes of a slower count may cost this share of the time
     switch_margin: float = 0.05  # an alternative must be this much faster to take over
     # contention came or went: the running count's last forwards (median) this much slower or
@@ -170,6 +176,7 @@ class ThreadTuner:
         self.current = max_threads  # the count of the last forward chosen
         self.load = 0  # the load level of the last forward chosen
         self._load_since = float("-inf")  # when the load level last changed (never yet)
+        self.busy = 0.0  # seconds of forwards recorded: the clock of samples' ages
 
     # ------------------------------------------------------------------ the two calls
     def choose(self, kind: str, tokens: int, load: int = 0, stale: bool = False) -> int:
@@ -185,8 +192,8 @@ class ThreadTuner:
         settled = now - self._load_since >= self.cfg.settle_s
         key = self._key(kind, tokens, load, settled)
         for arm in key.arms.values():
-            arm.prune(now, self.cfg.forget_after_s)
-        if key.probing is None and settled and (why := self._probe_due(key, now, load)):
+            arm.prune(self.busy, self.cfg.forget_after_s)
+        if key.probing is None and settled and (why := self._probe_due(key, self.busy, load)):
             self._start_probe(key, why, load)
         if key.probing is None:
             key.since_probe += 1
@@ -214,6 +221,7 @@ class ThreadTuner:
             logger.debug("tuner: %s of %d tokens on %d threads: %.1f ms (load %d%s)", kind,
                          tokens, threads, 1e3 * seconds, load,
                          f", {work / tokens:.2f}x its tokens' work" if work else "")
+        self.busy += seconds
         arm = key.arms.get(threads)
         if arm is None:
             return  # a count the tuner does not run (set from outside)
@@ -221,7 +229,7 @@ class ThreadTuner:
             key.last_s = seconds
         if work is not None and work > tokens > 0:
             seconds *= tokens / work
-        arm.samples.append((self.clock(), seconds))
+        arm.samples.append((self.busy, seconds))
         arm.measured = True
         if threads == key.probing:
             key.probe_left -= 1
