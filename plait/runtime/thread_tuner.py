@@ -20,7 +20,8 @@ the running count's time jumped or drifted and stayed so over a few re-measured 
 stall of a few forwards is no change); probes of a count measured k times slower are spaced so
 that they cost about `probe_budget` of the time, and one far slower stops after a single
 forward. A new key takes what the nearest smaller key of its kind and load measured clearly
-slower as measured (a large forward's first probe of 1 thread cost it ~2x). Pure logic: the
+slower as measured (a large forward's first probe of 1 thread cost it ~2x), and on a quiet
+host a key of long forwards probes only more threads than its best (_alternatives). Pure logic: the
 caller sets torch's thread count and times the forward (`choose`, then `record`); the clock and
 the host's counters are injectable for tests.
 """
@@ -328,7 +329,8 @@ class ThreadTuner:
         return [n for n in key.arms if n != key.best and (n > key.best or not costly)]
 
     def _probe_due(self, key: _Key, now: float, load: int) -> str | None:
-        """Why the key's next forward is a probe (for the debug log), or None."""
+        """Why the key's next forward is a probe (for the debug log), or None. `now`: the
+        tuner's forward-time clock (busy), which samples' ages count."""
         if key.drifted:  # contention came or went: do not wait for the gap
             return "drifted"
         best = key.arms[key.best]
