@@ -189,8 +189,13 @@ class TokenizerManager:
                 state.event.clear()
                 if state.error is not None:
                     raise state.error
+                # finished as yielded: the state moves on while the consumer holds it, and a
+                # last output that arrived meanwhile must be yielded too (an Engine stream,
+                # which cuts each chunk when it is yielded, lost its last tokens when the
+                # request's final output came in between two chunks)
+                done = state.finished_reason is not None
                 yield state
-                if state.finished_reason is not None:
+                if done:
                     return
         finally:
             if self.states.pop(rid, None) is not None and state.finished_reason is None:

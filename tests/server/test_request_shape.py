@@ -208,3 +208,41 @@ async def test_request_timeout_counts_only_time_without_scheduler_progress():
     with pytest.raises(RequestError) as e:  # nothing comes any more: 504 after the timeout
         await TokenizerManager._wait(tm, state, stalled)
     assert e.value.status == 504 and 0.25 <= time.monotonic() - stalled < 2
+
+
+async def test_a_streams_last_output_arriving_between_two_chunks_is_yielded(tiny_llama):
+    """The Engine cuts each stream chunk from the request's state when generate() yields it.
+    The request's final output (its last tokens, finished) may arrive while the consumer holds
+    the previous chunk: generate() must yield the state once more, not end because the state
+    it resumes on reads finished (a streamed constrained request came back one token short,
+    now and then, in CI)."""
+    from transformers import AutoTokenizer
+
+    from plait.messages import BatchStrOut
+
+    tm = TokenizerManager(
+        ServerArgs(), AutoTokenizer.from_pretrained(tiny_llama),
+        {"context_length": 4096, "vocab_size": 8256, "max_total_tokens": 65536}, None, {}
+    )
+    tm._send = lambda msg: None  # no scheduler: outputs are delivered by hand below
+
+    def output(rid, ids, finished):
+        tm._on_output(BatchStrOut(
+            rids=[rid], text_deltas=["x" * len(ids)], new_token_ids=[ids],
+            finished_reasons=[{"type": "length"} if finished else None], prompt_tokens=[3],
+            completion_tokens=[0], cached_tokens=[0], output_token_logprobs=[[]],
+            output_top_logprobs=[[]], input_token_logprobs=[None], input_top_logprobs=[None]))
+
+    req = ReqInput(text=None, input_ids=[5, 6, 7], sampling_params=SamplingParams(), rid="r",
+                   stream=True)
+    agen = tm.generate(req, [5, 6, 7])
+    first = asyncio.ensure_future(agen.__anext__())
+    await asyncio.sleep(0)
+    output("r", [10, 11], False)
+    state = await first
+    cut = list(state.output_ids)  # the consumer cuts its chunk, then holds it a while ...
+    output("r", [12], True)  # ... while the last output arrives
+    state = await agen.__anext__()  # yielded once more (it ended here before)
+    assert state.output_ids[len(cut):] == [12] and state.finished_reason == {"type": "length"}
+    with pytest.raises(StopAsyncIteration):
+        await agen.__anext__()
