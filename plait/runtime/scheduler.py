@@ -366,7 +366,7 @@ class Scheduler:
             # request starts now, not after the long prompt's last chunk (a 7,000-token
             # SmolLM2 prompt in 2,048-token chunks: "hi" waited 14-22 s)
             n = min(req.pending_len, budget - self._new_share(budget),
-                    self._chunk_limit(req, self._company(), True))
+                    self._chunk_limit(req, continued=True))
             if self.kv.alloc(req, n):
                 reqs.append(req)
                 lens.append(n)
@@ -390,9 +390,8 @@ class Scheduler:
             room = self.args.max_running_requests - len(self.running) - len(reqs)
             ordered = policy.order_waiting(self.waiting, self.args.schedule_policy, self.kv)
             reserve = policy.decode_reserve(self.running, self.ratio.value)
-            company = self._company()
             adm = policy.admit(ordered, self.kv, budget, room, reserve, beside,
-                               lambda r: self._chunk_limit(r, company))
+                               self._chunk_limit)
             for req in adm.reqs:
                 self.waiting.remove(req)
             reqs += adm.reqs
@@ -426,16 +425,17 @@ class Scheduler:
         share = int(self.args.chunked_prefill_size * self.args.chunked_prefill_new_share)
         return any(r.seq_len <= share for r in self.waiting)
 
-    def _chunk_limit(self, req: Req, company: bool, continued: bool = False) -> int:
+    def _chunk_limit(self, req: Req, continued: bool = False) -> int:
         """The most tokens of req's pending extend one forward takes: a long prompt (more
         pending tokens than the budget, or `continued` from a chunk) gets
-        --chunked-prefill-beside-size tokens' work with `company` (_company), else the
-        budget's; cut to its work either way (_chunk_cap). A 7,000-token SmolLM2 prompt's
-        2,048-token chunks took ~3 s each, and a stream riding along waited that long for
-        each of its tokens, a short request as long to start."""
+        --chunked-prefill-beside-size tokens' work when it has company (_company, looked at
+        only for a long prompt: it scans the waiting queue), else the budget's; cut to its
+        work either way (_chunk_cap). A 7,000-token SmolLM2 prompt's 2,048-token chunks took
+        ~3 s each, and a stream riding along waited that long for each of its tokens, a short
+        request as long to start."""
         size = self.args.chunked_prefill_size
         small = self.args.chunked_prefill_beside_size
-        if company and 0 < small < size and (continued or req.pending_len > size):
+        if 0 < small < size and (continued or req.pending_len > size) and self._company():
             size = small
         return self._chunk_cap(req.kv_len, size)
 

@@ -15,14 +15,13 @@ starts on what its load level learnt even when contention changed since it last 
 the tuner runs the count that measured fastest (median of its recent forwards; the faster of
 two when it has only two) and probes the alternatives: when one was never measured, when its
 estimate is older than `stale_after_s` of forward time (or `max_interval` forwards passed),
-and at once when
-the running count's time jumped or drifted and stayed so over a few re-measured forwards (a
-stall of a few forwards is no change); probes of a count measured k times slower are spaced so
-that they cost about `probe_budget` of the time, and one far slower stops after a single
-forward. A new key takes what the nearest smaller key of its kind and load measured clearly
-slower as measured (a large forward's first probe of 1 thread cost it ~2x), and on a quiet
-host a key of long forwards probes only more threads than its best (_alternatives). Pure logic: the
-caller sets torch's thread count and times the forward (`choose`, then `record`); the clock and
+and at once when the running count's time jumped or drifted and stayed so over a few
+re-measured forwards (a stall of a few forwards is no change); probes of a count measured k
+times slower are spaced so that they cost about `probe_budget` of the time, and one far slower
+stops after a single forward. A new key takes what the nearest smaller key of its kind and
+load measured clearly slower as measured (a large forward's first probe of 1 thread cost it
+~2x), and on a quiet host a key of long forwards probes only more threads than its best
+(_alternatives). Pure logic: the caller sets torch's thread count and times the forward (`choose`, then `record`); the clock and
 the host's counters are injectable for tests.
 """
 
